@@ -1,0 +1,69 @@
+"""Tiny random-init models of every supported architecture, exported once per test session."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from trtspec.testing import ARCHITECTURES, make_tiny_model
+
+S_MAX = 64
+MAX_BATCH = 3
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    cache = {}
+
+    def get(arch: str, seed: int = 0):
+        key = (arch, seed)
+        if key not in cache:
+            cache[key] = make_tiny_model(arch, tmp_path_factory.mktemp(f"hf-{arch}-{seed}"), seed=seed)
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def exported(tmp_path_factory, model_dir):
+    from trtspec import export
+
+    cache = {}
+
+    def get(arch: str, seed: int = 0, **options):
+        key = (arch, seed, tuple(sorted(options.items())))
+        if key not in cache:
+            opts = {"max_seq_len": S_MAX, "max_batch": MAX_BATCH, **options}
+            cache[key] = export(model_dir(arch, seed), tmp_path_factory.mktemp(f"export-{arch}-{seed}") / "a", **opts)
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    from transformers import AutoModelForCausalLM
+
+    cache = {}
+
+    def get(path):
+        if path not in cache:
+            cache[path] = AutoModelForCausalLM.from_pretrained(path).eval()
+        return cache[path]
+
+    return get
+
+
+def hf_logits(model, ids) -> np.ndarray:
+    """The HF model's own forward over one full sequence: logits [T, V]."""
+    import torch
+
+    with torch.no_grad():
+        return model(torch.as_tensor(np.asarray(ids, dtype=np.int64))[None]).logits[0].float().numpy()
+
+
+def random_ids(n: int, seed: int = 0, vocab: int = 300) -> np.ndarray:
+    return np.random.default_rng(seed).integers(3, vocab, size=n)
+
+
+__all__ = ["ARCHITECTURES", "MAX_BATCH", "S_MAX", "hf_logits", "random_ids"]

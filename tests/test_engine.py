@@ -1,0 +1,137 @@
+"""The onnxruntime engine: in-place cache writes, builds, and bad input that leaves the engine usable."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from conftest import MAX_BATCH, S_MAX, hf_logits, random_ids
+from trtspec import ArtifactError, BackendUnavailableError, CapacityError, build, load_engine
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def engine_dir(exported, tmp_path_factory):
+    return build(exported("llama-gqa-rope3"), tmp_path_factory.mktemp("engines") / "llama")
+
+
+def test_built_engine_matches_hf_and_records_its_source(engine_dir, exported, model_dir, hf_model):
+    manifest = json.loads((engine_dir / "manifest.json").read_text())
+    assert manifest["backend"] == "onnxruntime" and manifest["format"] == "trtspec-engine"
+    assert manifest["source"]["export_dir"] == str(exported("llama-gqa-rope3").resolve())
+    engine = load_engine(engine_dir, num_threads=1)
+    ids = random_ids(10, seed=7)
+    out = engine.forward(ids[None], np.arange(10)[None])
+    np.testing.assert_allclose(out[0], hf_logits(hf_model(model_dir("llama-gqa-rope3")), ids), atol=TOL, rtol=0)
+
+
+def test_cache_is_written_in_place_at_exactly_the_written_slots(engine_dir):
+    engine = load_engine(engine_dir)
+    buffers = list(engine.cache.values())
+    addresses = [b.ctypes.data for b in buffers]
+    engine.forward(random_ids(5, seed=1)[None].repeat(2, 0), np.tile(np.arange(5), (2, 1)))
+    before = [b.copy() for b in buffers]
+    # row 0 writes slots 5..7, row 1 writes slots 9..11
+    engine.forward(random_ids(6, seed=2).reshape(2, 3), np.array([[5, 6, 7], [9, 10, 11]]))
+    for buf, old, addr in zip(buffers, before, addresses):
+        assert buf.ctypes.data == addr  # the same buffer, never reallocated
+        changed = np.any(buf != old, axis=(1, 3))  # [max_batch, S_max]: which (row, slot) changed
+        expected = np.zeros_like(changed)
+        expected[0, 5:8] = True
+        expected[1, 9:12] = True
+        np.testing.assert_array_equal(changed, expected)
+    # onnxruntime returned the present_* outputs in our buffers: no copy of the cache was made
+    outputs = engine._binding.get_outputs()
+    names = [n for n in engine.session.get_outputs()]
+    assert len(outputs) == len(names)
+    bound = {o.data_ptr() for o in outputs}
+    assert set(addresses) <= bound
+
+
+def test_position_beyond_capacity_is_refused_and_the_cache_is_untouched(engine_dir, model_dir, hf_model):
+    engine = load_engine(engine_dir)
+    ids = random_ids(8, seed=3)
+    engine.forward(ids[None, :6], np.arange(6)[None])
+    snapshot = [b.copy() for b in engine.cache.values()]
+    with pytest.raises(CapacityError, match=f"holds {S_MAX} positions"):
+        engine.forward(np.array([[5, 6, 7]]), np.array([[S_MAX - 2, S_MAX - 1, S_MAX]]))
+    with pytest.raises(CapacityError, match="--max-batch"):
+        engine.forward(np.ones((MAX_BATCH + 1, 1), np.int64), np.zeros((MAX_BATCH + 1, 1), np.int64))
+    with pytest.raises(ValueError, match="consecutive"):
+        engine.forward(np.array([[5, 6]]), np.array([[6, 8]]))
+    with pytest.raises(ValueError, match="token ids must lie in"):
+        engine.forward(np.array([[10**6]]), np.array([[6]]))
+    for buf, old in zip(engine.cache.values(), snapshot):
+        np.testing.assert_array_equal(buf, old)
+    out = engine.forward(ids[None, 6:8], np.arange(6, 8)[None])
+    np.testing.assert_allclose(out[0], hf_logits(hf_model(model_dir("llama-gqa-rope3")), ids)[6:8], atol=TOL, rtol=0)
+
+
+def _copy(src, tmp_path):
+    dst = tmp_path / "copy"
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_truncated_graph_is_refused(engine_dir, tmp_path):
+    path = _copy(engine_dir, tmp_path)
+    data = (path / "model.onnx").read_bytes()
+    (path / "model.onnx").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ArtifactError, match="model.onnx does not match the sha256"):
+        load_engine(path)
+
+
+def test_manifest_with_wrong_hash_is_refused(engine_dir, tmp_path):
+    path = _copy(engine_dir, tmp_path)
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["files"]["tokenizer/tokenizer.json"] = "0" * 64
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match="tokenizer/tokenizer.json does not match"):
+        load_engine(path)
+
+
+def test_missing_tokenizer_file_is_refused(engine_dir, tmp_path):
+    path = _copy(engine_dir, tmp_path)
+    (path / "tokenizer" / "tokenizer.json").unlink()
+    with pytest.raises(ArtifactError, match="tokenizer/tokenizer.json named in the manifest is missing"):
+        load_engine(path)
+
+
+def test_foreign_directories_are_refused(tmp_path):
+    with pytest.raises(ArtifactError, match="not a trtspec artifact"):
+        load_engine(tmp_path)
+    (tmp_path / "manifest.json").write_text('{"format": "something-else"}')
+    with pytest.raises(ArtifactError, match="not a trtspec manifest"):
+        load_engine(tmp_path)
+    (tmp_path / "manifest.json").write_text("{not json")
+    with pytest.raises(ArtifactError, match="not valid JSON"):
+        load_engine(tmp_path)
+
+
+def test_wrong_backend_for_an_artifact_is_refused(engine_dir):
+    with pytest.raises(ArtifactError, match="built for onnxruntime, not for backend 'tensorrt'"):
+        load_engine(engine_dir, backend="tensorrt")
+
+
+def test_tensorrt_build_errors_clearly_for_now(exported, tmp_path):
+    with pytest.raises(BackendUnavailableError, match="--backend onnxruntime"):
+        build(exported("llama"), tmp_path / "trt", backend="tensorrt")
+    assert not (tmp_path / "trt").exists()
+
+
+def test_build_refuses_to_overwrite_a_foreign_directory_and_replaces_its_own(exported, tmp_path):
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    with pytest.raises(ArtifactError, match="not a trtspec artifact; refusing to overwrite"):
+        build(exported("llama"), foreign)
+    assert (foreign / "notes.txt").read_text() == "keep me"
+    out = build(exported("llama"), tmp_path / "eng")
+    first = json.loads((out / "manifest.json").read_text())
+    build(exported("llama"), tmp_path / "eng")
+    assert json.loads((out / "manifest.json").read_text())["files"] == first["files"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eng", "mine"]  # no temp dirs left behind

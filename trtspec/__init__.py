@@ -1,0 +1,28 @@
+"""trtspec: fast lossless speculative decoding for Hugging Face causal LMs.
+
+export (HF dir -> step graph) -> build (step graph -> engine) -> runtime (Generator).
+"""
+
+__version__ = "0.1.0"
+
+from .builder import build
+from .engines import load_engine
+from .errors import ArtifactError, BackendUnavailableError, CapacityError, TrtspecError, UnsupportedModelError
+from .exporter import export
+from .runtime import Generator, GenerationResult, SamplingParams, VocabularyMismatchError
+
+__all__ = [
+    "ArtifactError",
+    "BackendUnavailableError",
+    "CapacityError",
+    "GenerationResult",
+    "Generator",
+    "SamplingParams",
+    "TrtspecError",
+    "UnsupportedModelError",
+    "VocabularyMismatchError",
+    "__version__",
+    "build",
+    "export",
+    "load_engine",
+]

@@ -1,0 +1,95 @@
+"""The onnxruntime engine: the step graph run with IOBinding, the KV cache updated in place.
+
+Each layer's cache is one numpy buffer [max_batch, Hkv, S_max, D], allocated
+once. Every call binds past_* and present_* to the same address, so
+onnxruntime's TensorScatter (declared MayInplace) writes the new K/V straight
+into it: no per-call copy and no per-call allocation of the cache. A call
+with B < max_batch rows binds the first B rows, which are contiguous.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from .base import check_step_inputs
+
+_NP_DTYPES = {"float32": np.float32, "float16": np.float16}
+
+
+def session_options(num_threads: int | None):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.inter_op_num_threads = 1
+    if num_threads is not None:
+        if num_threads < 1:
+            raise ValueError(f"num_threads must be at least 1 (got {num_threads})")
+        so.intra_op_num_threads = num_threads
+    so.log_severity_level = 3
+    return so
+
+
+class OnnxRuntimeEngine:
+    backend = "onnxruntime"
+
+    def __init__(self, path: Path, manifest: dict, *, num_threads: int | None = None):
+        import onnxruntime as ort
+
+        self.path = Path(path)
+        self.manifest = manifest
+        model = manifest["model"]
+        self.max_seq_len = model["max_seq_len"]
+        self.max_batch = model["max_batch"]
+        self.vocab_size = model["vocab_size"]
+        self.dtype = _NP_DTYPES[model["dtype"]]
+        self.session = ort.InferenceSession(
+            str(self.path / manifest["graph"]), session_options(num_threads), providers=["CPUExecutionProvider"]
+        )
+        self._logits_dtype = self.dtype
+        cache_shape = (self.max_batch, model["num_kv_heads"], self.max_seq_len, model["head_dim"])
+        self._aliases = list(model["kv_aliases"].items())  # (present, past)
+        self.cache = {past: np.zeros(cache_shape, dtype=self.dtype) for _, past in self._aliases}
+        self._logits = np.empty(0, dtype=self._logits_dtype)  # grows to the largest B*T*V seen, then reused
+        self._binding = self.session.io_binding()
+        self._bound_batch = None
+
+    def _bind_cache(self, b: int):
+        # Rebinding is needed only when the batch size changes: the addresses stay the same.
+        shape = [b, *next(iter(self.cache.values())).shape[1:]]
+        for present, past in self._aliases:
+            ptr = self.cache[past].ctypes.data
+            self._binding.bind_input(past, "cpu", 0, self.dtype, shape, ptr)
+            self._binding.bind_output(present, "cpu", 0, self.dtype, shape, ptr)
+        self._bound_batch = b
+
+    def forward(self, input_ids, position_ids):
+        # input_ids [B, T] int64, position_ids [B, T] int64 -> logits [B, T, V]
+        # The returned array is a view of a reused buffer: valid until the next call.
+        input_ids, position_ids = check_step_inputs(
+            input_ids, position_ids, max_batch=self.max_batch, max_seq_len=self.max_seq_len, vocab_size=self.vocab_size
+        )
+        b, t = input_ids.shape
+        if b != self._bound_batch:
+            self._bind_cache(b)
+        n = b * t * self.vocab_size
+        if self._logits.size < n:
+            self._logits = np.empty(n, dtype=self._logits_dtype)
+        logits = self._logits[:n].reshape(b, t, self.vocab_size)
+        binding = self._binding
+        binding.bind_cpu_input("input_ids", input_ids)
+        binding.bind_cpu_input("position_ids", position_ids)
+        binding.bind_output("logits", "cpu", 0, self._logits_dtype, [b, t, self.vocab_size], logits.ctypes.data)
+        self.session.run_with_iobinding(binding)
+        return logits
+
+    def move_row(self, src: int, dst: int):
+        for buf in self.cache.values():
+            buf[dst] = buf[src]
+
+    def reset(self):
+        for buf in self.cache.values():
+            buf.fill(0)

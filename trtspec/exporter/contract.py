@@ -1,0 +1,65 @@
+"""Names of the step graph's inputs/outputs, and a check that a graph keeps the contract (DESIGN.md §2)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from ..errors import ArtifactError
+
+
+class IONames(NamedTuple):
+    inputs: list[str]
+    outputs: list[str]
+    aliases: dict[str, str]  # present_* output -> the past_* input it overwrites in place
+
+
+def io_names(num_layers: int) -> IONames:
+    past = [f"past_{kv}_{i}" for i in range(num_layers) for kv in ("key", "value")]
+    present = [name.replace("past_", "present_", 1) for name in past]
+    return IONames(["input_ids", "position_ids", *past], ["logits", *present], dict(zip(present, past)))
+
+
+def contract_violations(model, num_layers: int) -> list[str]:
+    """Every way an onnx ModelProto breaks the step-graph contract, one line each (empty: it keeps it)."""
+    names = io_names(num_layers)
+    graph = model.graph
+    problems = []
+    if [i.name for i in graph.input] != names.inputs:
+        problems.append(f"graph inputs are {[i.name for i in graph.input]}, expected {names.inputs}")
+    if [o.name for o in graph.output] != names.outputs:
+        problems.append(f"graph outputs are {[o.name for o in graph.output]}, expected {names.outputs}")
+    consumers: dict[str, list] = {}
+    producer = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+        for name in node.output:
+            producer[name] = node
+    for present, past in names.aliases.items():
+        users = consumers.get(past, [])
+        scatter = users[0] if len(users) == 1 else None
+        if scatter is None or scatter.op_type != "TensorScatter" or scatter.input[0] != past:
+            problems.append(f"{past} must feed exactly one TensorScatter (as its cache input), found {[n.op_type for n in users]}")
+            continue
+        axis = next((a.i for a in scatter.attribute if a.name == "axis"), None)
+        if axis != -2:
+            problems.append(f"{scatter.name}: TensorScatter axis must be written as -2, found {axis}")
+        if producer.get(present) is not scatter:
+            problems.append(f"{present} must be the output of {scatter.name} (the in-place update of {past})")
+    attention = [n for n in graph.node if n.op_type == "Attention"]
+    if len(attention) != num_layers:
+        problems.append(f"expected {num_layers} Attention nodes, found {len(attention)}")
+    for node in attention:
+        if len(node.input) > 4 and any(node.input[4:]):
+            problems.append(f"{node.name}: Attention must not take past_key/past_value/nonpad_kv_seqlen inputs")
+        if len(node.input) < 4 or not node.input[3]:
+            problems.append(f"{node.name}: Attention needs an explicit attn_mask input")
+        if len(node.output) > 1 and any(node.output[1:]):
+            problems.append(f"{node.name}: Attention must not produce present_key/present_value outputs")
+    return problems
+
+
+def check_step_graph(model, num_layers: int) -> None:
+    problems = contract_violations(model, num_layers)
+    if problems:
+        raise ArtifactError("the graph breaks the step-graph contract:\n  " + "\n  ".join(problems))

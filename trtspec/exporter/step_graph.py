@@ -1,0 +1,198 @@
+"""HF model directory -> export/<name>/: step graph (ONNX opset 24), manifest.json, tokenizer files."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+import warnings
+from pathlib import Path
+
+from ..errors import UnsupportedModelError
+from ..manifest import EXPORT_FORMAT, atomic_artifact, sha256_file, versions
+from .architectures import arch_spec
+from .contract import check_step_graph, io_names
+
+OPSET = 24
+GRAPH_FILE = "model.onnx"
+DTYPES = ("float32", "float16")
+# Above this many weight bytes the initializers go to model.onnx.data (protobuf stops at 2 GiB).
+EXTERNAL_DATA_BYTES = 1 << 30
+
+log = logging.getLogger("trtspec.export")
+
+
+def _tokenizer_fingerprint(tokenizer) -> str:
+    """Hash of what decides token ids: the vocabulary and the special tokens."""
+    payload = {
+        "vocab": sorted(tokenizer.get_vocab().items()),
+        "special": {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())},
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def _special_tokens(config, generation_config, tokenizer) -> dict:
+    def ids(value):
+        if value is None:
+            return []
+        return [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
+
+    eos = ids(getattr(generation_config, "eos_token_id", None)) or ids(config.eos_token_id) or ids(tokenizer.eos_token_id)
+    bos = getattr(config, "bos_token_id", None)
+    bos = tokenizer.bos_token_id if bos is None else bos
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else getattr(config, "pad_token_id", None)
+    return {"bos_token_id": bos, "eos_token_ids": eos, "pad_token_id": pad}
+
+
+def _load_hf(model_dir: Path, dtype: str):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    if not (model_dir / "config.json").is_file():
+        raise UnsupportedModelError(f"{model_dir} has no config.json; pass a Hugging Face model directory")
+    config = AutoConfig.from_pretrained(model_dir)
+    spec = arch_spec(config)  # refuse unsupported models before loading any weights
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError, TypeError) as e:
+        raise UnsupportedModelError(
+            f"{model_dir} has no usable tokenizer ({type(e).__name__}); the runtime needs one. "
+            "Save the model's tokenizer into the directory with tokenizer.save_pretrained(...)"
+        ) from None
+    try:
+        generation_config = GenerationConfig.from_pretrained(model_dir)
+    except OSError:
+        generation_config = None
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+    model.eval()
+    return config, spec, tokenizer, generation_config, model
+
+
+def _batch_size_from_input_ids(model) -> None:
+    """Make Shape nodes that read the batch size off a cache input read it off input_ids instead.
+
+    The exporter takes a symbolic size from whichever input has it; when it picks
+    a past_* cache, that input gets a second consumer besides its TensorScatter.
+    """
+    graph = model.graph
+    input_ids = graph.inputs[0]
+    for node in graph.all_nodes():
+        if node.op_type != "Shape" or not node.inputs[0].name.startswith("past_"):
+            continue
+        start = node.attributes.get_int("start", 0)
+        end = node.attributes.get_int("end", None)
+        if start == 0 and end == 1:
+            node.replace_input_with(0, input_ids)
+
+
+def export(
+    model_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    max_seq_len: int = 512,
+    max_batch: int = 4,
+    dtype: str = "float32",
+) -> Path:
+    """Export a Hugging Face causal LM directory to a step graph artifact; returns out_dir."""
+    import onnx
+    import torch
+
+    from .kv_cache_op import TRANSLATION_TABLE
+    from .step_model import StepModel
+
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+    if max_seq_len < 2:
+        raise ValueError(f"max_seq_len must be at least 2 (got {max_seq_len})")
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be at least 1 (got {max_batch})")
+    t0 = time.perf_counter()
+    config, spec, tokenizer, generation_config, hf = _load_hf(model_dir, dtype)
+    if spec.family == "gpt2" and max_seq_len > config.n_positions:
+        raise UnsupportedModelError(
+            f"max_seq_len {max_seq_len} exceeds the model's {config.n_positions} learned positions; "
+            f"use --max-seq-len {config.n_positions} or less"
+        )
+    if len(tokenizer) > spec.vocab_size:
+        raise UnsupportedModelError(
+            f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary has {spec.vocab_size}; "
+            "they do not belong together"
+        )
+
+    step = StepModel(hf, spec, max_seq_len).eval()
+    names = io_names(spec.num_layers)
+    tdtype = getattr(torch, dtype)
+    # Example batch 2 and T 3: with 1 the exporter may specialise the dimension (DESIGN.md §2).
+    b, t = 2, 3
+    cache_shape = (b, spec.num_kv_heads, max_seq_len, spec.head_dim)
+    args = (
+        torch.zeros(b, t, dtype=torch.long),
+        torch.arange(t).repeat(b, 1),
+        *[torch.zeros(cache_shape, dtype=tdtype) for _ in range(2 * spec.num_layers)],
+    )
+    batch = torch.export.Dim("batch", min=1, max=max(max_batch, 2))
+    seq = torch.export.Dim("seq", min=1, max=max_seq_len)
+    dynamic_shapes = {
+        "input_ids": {0: batch, 1: seq},
+        "position_ids": {0: batch, 1: seq},
+        "past": tuple({0: batch} for _ in range(2 * spec.num_layers)),
+    }
+    weight_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in hf.parameters()}.values())
+    log.info("exporting %s (%s, %d layers, %.1f MB of weights)", model_dir, spec.model_type, spec.num_layers, weight_bytes / 1e6)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(
+            step,
+            args,
+            dynamo=True,
+            opset_version=OPSET,
+            input_names=names.inputs,
+            output_names=names.outputs,
+            dynamic_shapes=dynamic_shapes,
+            custom_translation_table=TRANSLATION_TABLE,
+            verbose=False,
+        )
+    _batch_size_from_input_ids(program.model)
+    for node in program.model.graph.all_nodes():
+        node.metadata_props.clear()  # stack traces with local paths; not part of the artifact
+
+    manifest = {
+        "format": EXPORT_FORMAT,
+        "graph": GRAPH_FILE,
+        "model": {
+            "architecture": spec.model_type,
+            "vocab_size": spec.vocab_size,
+            "num_layers": spec.num_layers,
+            "num_heads": spec.num_heads,
+            "num_kv_heads": spec.num_kv_heads,
+            "head_dim": spec.head_dim,
+            "max_seq_len": max_seq_len,
+            "max_batch": max_batch,
+            "dtype": dtype,
+            "opset": OPSET,
+            "inputs": names.inputs,
+            "outputs": names.outputs,
+            "kv_aliases": names.aliases,
+            "special_tokens": _special_tokens(config, generation_config, tokenizer),
+            "tokenizer_fingerprint": _tokenizer_fingerprint(tokenizer),
+            "weight_bytes": weight_bytes,
+        },
+        "config": config.to_dict(),
+        "source": {
+            "model_dir": str(model_dir.resolve()),
+            "config_sha256": sha256_file(model_dir / "config.json"),
+        },
+        "versions": versions("torch", "transformers", "onnx", "onnxscript"),
+    }
+    with atomic_artifact(out_dir, manifest) as tmp:
+        graph_path = tmp / GRAPH_FILE
+        program.save(graph_path, external_data=weight_bytes > EXTERNAL_DATA_BYTES)
+        onnx.checker.check_model(str(graph_path), full_check=True)
+        check_step_graph(onnx.load(str(graph_path), load_external_data=False), spec.num_layers)
+        tokenizer.save_pretrained(tmp / "tokenizer")
+        manifest["tokenizer"] = "tokenizer"
+    log.info("wrote %s in %.1f s", out_dir, time.perf_counter() - t0)
+    return out_dir

@@ -1,0 +1,127 @@
+"""The step contract (DESIGN.md §2) as a torch module over a Hugging Face model's own layers.
+
+Projections, norms and MLPs are the HF modules themselves, so their numerics are
+the reference's; only the cache handling and attention are ours: the new K/V
+are written into a fixed-capacity cache at each sequence's position, and
+attention runs over the whole cache with an explicit boolean mask
+``slot <= position`` (rejected draft tokens beyond a sequence's length are
+hidden by the mask and overwritten by the next write; no copies).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .architectures import ArchSpec
+from .kv_cache_op import kv_cache_write
+
+
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class StepModel(nn.Module):
+    """forward(input_ids, position_ids, *past) -> (logits, *present); past/present per layer: key, value."""
+
+    def __init__(self, hf_model: nn.Module, spec: ArchSpec, max_seq_len: int):
+        super().__init__()
+        self.spec = spec
+        self.max_seq_len = max_seq_len
+        self.lm_head = hf_model.lm_head
+        dtype = self.lm_head.weight.dtype
+        if spec.family == "gpt2":
+            base = hf_model.transformer
+            self.embed, self.pos_embed, self.final_norm = base.wte, base.wpe, base.ln_f
+            self.layers = base.h
+            self.scalings = [
+                (spec.head_dim**-0.5 if base.config.scale_attn_weights else 1.0)
+                / (i + 1 if base.config.scale_attn_by_inverse_layer_idx else 1)
+                for i in range(spec.num_layers)
+            ]
+        else:
+            base = hf_model.model
+            self.embed, self.pos_embed, self.final_norm = base.embed_tokens, None, base.norm
+            self.layers = base.layers
+            self.scalings = [layer.self_attn.scaling for layer in self.layers]
+            # cos/sin for every slot, computed by the model's own rotary module (all static RoPE types).
+            positions = torch.arange(max_seq_len).unsqueeze(0)
+            cos, sin = base.rotary_emb(torch.zeros((), dtype=torch.float32), positions)
+            self.register_buffer("rope_cos", cos[0].to(dtype), persistent=False)  # [S_max, D]
+            self.register_buffer("rope_sin", sin[0].to(dtype), persistent=False)
+        self.register_buffer("slots", torch.arange(max_seq_len), persistent=False)
+
+    def masks(self, position_ids):
+        # position_ids [B, T] -> {window: bool [B, 1, T, S_max]}; True where the slot may be attended.
+        pos = position_ids[:, None, :, None]
+        causal = self.slots <= pos
+        out = {None: causal}
+        for window in set(self.spec.sliding_windows) - {None}:
+            out[window] = causal & (self.slots > pos - window)
+        return out
+
+    def attention(self, i, layer, x, rope, mask, past_key, past_value, write_indices):
+        # x [B, T, hidden] -> [B, T, hidden], present key/value [B, Hkv, S_max, D]
+        spec = self.spec
+        # unflatten/flatten, not view(b, t, ...): symbolic sizes would make the exporter read them
+        # off a cache input with a Shape node, and the cache input must feed only its TensorScatter.
+        if spec.family == "gpt2":
+            attn = layer.attn
+            q, k, v = attn.c_attn(x).split(spec.hidden_size, dim=2)
+            q = q.unflatten(-1, (spec.num_heads, spec.head_dim)).transpose(1, 2)
+            k = k.unflatten(-1, (spec.num_kv_heads, spec.head_dim)).transpose(1, 2)
+            v = v.unflatten(-1, (spec.num_kv_heads, spec.head_dim)).transpose(1, 2)
+            out_proj = attn.c_proj
+        else:
+            attn = layer.self_attn
+            q = attn.q_proj(x).unflatten(-1, (spec.num_heads, spec.head_dim))
+            k = attn.k_proj(x).unflatten(-1, (spec.num_kv_heads, spec.head_dim))
+            if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over the head dim, before RoPE
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
+            v = attn.v_proj(x).unflatten(-1, (spec.num_kv_heads, spec.head_dim)).transpose(1, 2)
+            cos, sin = rope
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            out_proj = attn.o_proj
+        present_key = kv_cache_write(past_key, k, write_indices)
+        present_value = kv_cache_write(past_value, v, write_indices)
+        y = F.scaled_dot_product_attention(
+            q,
+            present_key,
+            present_value,
+            attn_mask=mask,
+            scale=self.scalings[i],
+            enable_gqa=spec.num_heads != spec.num_kv_heads,
+        )
+        y = y.transpose(1, 2).flatten(2)
+        return out_proj(y), present_key, present_value
+
+    def forward(self, input_ids, position_ids, *past):
+        # input_ids [B, T] int64, position_ids [B, T] int64, past 2L x [B, Hkv, S_max, D]
+        # -> logits [B, T, V], present 2L x [B, Hkv, S_max, D]
+        write_indices = position_ids[:, 0]
+        masks = self.masks(position_ids)
+        h = self.embed(input_ids)
+        rope = None
+        if self.pos_embed is not None:
+            h = h + self.pos_embed(position_ids)
+        else:
+            rope = (F.embedding(position_ids, self.rope_cos)[:, None], F.embedding(position_ids, self.rope_sin)[:, None])  # [B, 1, T, D]
+        present = []
+        for i, layer in enumerate(self.layers):
+            window = self.spec.sliding_windows[i]
+            if self.spec.family == "gpt2":
+                norm1, norm2 = layer.ln_1, layer.ln_2
+            else:
+                norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
+            a, key, value = self.attention(
+                i, layer, norm1(h), rope, masks[window], past[2 * i], past[2 * i + 1], write_indices
+            )
+            h = h + a
+            h = h + layer.mlp(norm2(h))
+            present += [key, value]
+        logits = self.lm_head(self.final_norm(h))
+        return (logits, *present)
