@@ -67,3 +67,33 @@ def random_ids(n: int, seed: int = 0, vocab: int = 300) -> np.ndarray:
 
 
 __all__ = ["ARCHITECTURES", "MAX_BATCH", "S_MAX", "hf_logits", "random_ids"]
+
+
+@pytest.fixture(scope="session")
+def perturbed_export(tmp_path_factory, model_dir):
+    """A draft that often agrees with its target: the target's weights plus noise, exported like it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trtspec import export
+
+    cache = {}
+
+    def get(arch: str, noise: float, **options):
+        key = (arch, noise, tuple(sorted(options.items())))
+        if key not in cache:
+            import torch
+
+            src = model_dir(arch)
+            out = tmp_path_factory.mktemp(f"hf-{arch}-noisy")
+            model = AutoModelForCausalLM.from_pretrained(src)
+            gen = torch.Generator().manual_seed(123)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(noise * p.std() * torch.randn(p.shape, generator=gen))
+            model.save_pretrained(out)
+            AutoTokenizer.from_pretrained(src).save_pretrained(out)
+            opts = {"max_seq_len": S_MAX, "max_batch": MAX_BATCH, **options}
+            cache[key] = export(out, tmp_path_factory.mktemp(f"export-{arch}-noisy") / "a", **opts)
+        return cache[key]
+
+    return get

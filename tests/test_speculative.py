@@ -1,0 +1,271 @@
+"""Speculative decoding is lossless: greedy output equals the target's, sampling follows the target's law."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import MAX_BATCH, S_MAX
+from trtspec import CapacityError, Generator, VocabularyMismatchError, export, load_engine
+from trtspec.runtime import generator as generator_module
+
+PROMPTS = ["def add(a, b):", "The quick brown fox jumps over the lazy dog. The quick", "import os"]
+ARCH = "llama-gqa-rope3"
+
+
+@pytest.fixture(scope="module")
+def target(exported):
+    return load_engine(exported(ARCH))
+
+
+@pytest.fixture(scope="module")
+def reference(target):
+    """Target-only greedy output, 40 tokens per prompt."""
+    return [r.token_ids for r in Generator(target).generate(PROMPTS, max_new_tokens=40)]
+
+
+@pytest.fixture(scope="module", params=["self", "noisy", "unrelated"])
+def draft(request, exported, perturbed_export):
+    # agrees always / often / almost never
+    if request.param == "self":
+        return load_engine(exported(ARCH))
+    if request.param == "noisy":
+        return load_engine(perturbed_export(ARCH, 0.3))
+    return load_engine(exported(ARCH, seed=7))
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_greedy_speculative_equals_target_greedy(target, draft, reference, k, batch):
+    gen = Generator(target, draft, num_draft_tokens=k)
+    prompts = PROMPTS[:batch]
+    out = gen.generate(prompts, max_new_tokens=40)
+    assert [r.token_ids for r in out] == reference[:batch]
+    s = out.stats
+    assert s.proposed > 0 and 0 <= s.accepted <= s.proposed
+    assert sum(s.accepted_histogram) == sum(r.stats.rounds for r in out if r.stats.proposed) or s.proposed > 0
+    assert s.new_tokens == sum(len(r.token_ids) for r in out)
+
+
+def test_draft_agreement_levels_show_in_the_acceptance_rate(target, exported, perturbed_export):
+    rates = []
+    for d in (exported(ARCH), perturbed_export(ARCH, 0.3), exported(ARCH, seed=7)):
+        rates.append(Generator(target, d, num_draft_tokens=4).generate(PROMPTS, max_new_tokens=40).stats.acceptance_rate)
+    assert rates[0] == 1.0
+    assert rates[0] > rates[1] > rates[2]
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_prompt_lookup_and_no_drafter_equal_target_greedy(target, reference, k):
+    for drafter in ("prompt_lookup", "none"):
+        out = Generator(target, drafter=drafter, num_draft_tokens=k).generate(PROMPTS, max_new_tokens=40)
+        assert [r.token_ids for r in out] == reference
+
+
+def test_adaptive_k_is_lossless_and_stays_within_bounds(target, exported, reference):
+    gen = Generator(target, exported(ARCH), num_draft_tokens=6, adaptive_k=True)
+    out = gen.generate(PROMPTS, max_new_tokens=40)
+    assert [r.token_ids for r in out] == reference
+    assert set(out.stats.k_chosen) <= set(range(0, 7))
+    assert max(out.stats.k_chosen) >= 2  # with a draft that always agrees, longer drafts pay off
+
+
+def test_finished_rows_leave_the_batch(target, exported):
+    calls = []
+
+    class Recording:
+        def __init__(self, engine):
+            self.engine = engine
+
+        def __getattr__(self, name):
+            return getattr(self.engine, name)
+
+        def forward(self, ids, pos):
+            calls.append(ids.shape[0])
+            return self.engine.forward(ids, pos)
+
+    long_prompt = "x " * 45  # fills most of the 64-slot cache: this row ends early with "length"
+    prompts = [PROMPTS[0], long_prompt, PROMPTS[2]]
+    gen = Generator(Recording(target), exported(ARCH), num_draft_tokens=3)
+    assert S_MAX - 30 < len(gen.tokenizer(long_prompt)["input_ids"]) < S_MAX
+    out = gen.generate(prompts, max_new_tokens=30)
+    assert out[1].finish_reason == "length" and len(out[1].token_ids) < 30
+    assert calls[0] == 3 and calls[-1] == 2
+    alone = [Generator(target).generate(p, max_new_tokens=30).token_ids for p in prompts]
+    assert [r.token_ids for r in out] == alone
+
+
+def test_capacity_ends_with_length_never_an_exception(target, exported):
+    gen = Generator(target, exported(ARCH), num_draft_tokens=6)
+    prompt = "y " * 20
+    result = gen.generate(prompt, max_new_tokens=500)
+    plain = Generator(target).generate(prompt, max_new_tokens=500)
+    assert result.token_ids == plain.token_ids
+    if result.finish_reason == "length":
+        assert len(gen.tokenizer(prompt)["input_ids"]) + len(result.token_ids) == S_MAX
+
+
+@pytest.mark.parametrize("boundary", [7, 5])  # inside one accepted block of 5 tokens, and across two
+def test_stop_string_straddling_tokens_stops_at_the_right_place(target, exported, boundary):
+    plain = Generator(target)
+    full = plain.generate(PROMPTS[0], max_new_tokens=20)
+    tok = plain.tokenizer
+    ids = full.token_ids
+    # a stop string made of the end of token `boundary` and the start of the next one
+    head = tok.decode(ids[: boundary + 1])
+    stop = head[-2:] + tok.decode(ids[: boundary + 2])[len(head) : len(head) + 2]
+    first = full.text.find(stop)
+    assert first >= 0
+    spec = Generator(target, exported(ARCH), num_draft_tokens=4).generate(PROMPTS[0], max_new_tokens=20, stop=stop)
+    expected = plain.generate(PROMPTS[0], max_new_tokens=20, stop=stop)
+    assert spec.finish_reason == expected.finish_reason == "stop"
+    assert spec.text == expected.text == full.text[: first + len(stop)]
+    assert spec.token_ids == expected.token_ids
+    assert tok.decode(spec.token_ids).endswith(stop) or stop in tok.decode(spec.token_ids)
+
+
+def test_stream_yields_the_text_in_accepted_blocks(target, exported):
+    gen = Generator(target, exported(ARCH), num_draft_tokens=4)
+    stream = gen.stream(PROMPTS[0], max_new_tokens=30)
+    deltas = list(stream)
+    assert "".join(deltas) == stream.result.text == gen.generate(PROMPTS[0], max_new_tokens=30).text
+    assert 1 < len(deltas) < 30
+
+
+def test_seeded_sampling_reproduces(target, exported):
+    gen = Generator(target, exported(ARCH, seed=7), num_draft_tokens=3)
+    a = gen.generate(PROMPTS, max_new_tokens=24, temperature=0.9, top_p=0.9, seed=11)
+    b = gen.generate(PROMPTS, max_new_tokens=24, temperature=0.9, top_p=0.9, seed=11)
+    c = gen.generate(PROMPTS, max_new_tokens=24, temperature=0.9, top_p=0.9, seed=12)
+    assert [r.token_ids for r in a] == [r.token_ids for r in b]
+    assert [r.token_ids for r in a] != [r.token_ids for r in c]
+
+
+def test_vocabulary_mismatch_is_refused_saying_what_differs(target, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from trtspec.testing import make_tokenizer, tiny_config
+
+    tokenizer = make_tokenizer(vocab_size=300)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=len(tokenizer) + 16))
+    model.save_pretrained(tmp_path / "hf")
+    tokenizer.save_pretrained(tmp_path / "hf")
+    other = export(tmp_path / "hf", tmp_path / "draft", max_seq_len=S_MAX, max_batch=MAX_BATCH)
+    with pytest.raises(VocabularyMismatchError, match="vocab_size\\) 336 vs 316"):
+        Generator(target, other)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"temperature": -0.5}, "temperature must be a finite number >= 0"),
+        ({"temperature": 1.0, "top_p": 0.0}, "top_p must be in \\(0, 1\\]"),
+        ({"temperature": 1.0, "top_p": 1.5}, "top_p must be in \\(0, 1\\]"),
+        ({"temperature": 1.0, "top_k": 0}, "top_k must be an integer >= 1"),
+        ({"max_new_tokens": 0}, "max_new_tokens must be an integer >= 1"),
+        ({"stop": [""]}, "stop strings must be non-empty"),
+    ],
+)
+def test_invalid_sampling_parameters_are_refused(target, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Generator(target).generate(PROMPTS[0], **kwargs)
+
+
+def test_invalid_drafting_options_are_refused(target, exported):
+    with pytest.raises(ValueError, match="num_draft_tokens must be an integer >= 1"):
+        Generator(target, exported(ARCH), num_draft_tokens=0)
+    with pytest.raises(ValueError, match="num_draft_tokens=64 is not supported"):
+        Generator(target, exported(ARCH), num_draft_tokens=S_MAX)
+    with pytest.raises(ValueError, match="unknown drafter"):
+        Generator(target, drafter="medusa")
+    with pytest.raises(ValueError, match="needs a draft model"):
+        Generator(target, drafter="draft")
+
+
+# -- exactness of speculative sampling ---------------------------------------------------------
+
+def _exact_joint(model_path, prompt_ids, params, depth):
+    """P(t1..t_depth) under the target's processed distributions, from the HF model's logits."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path).eval()
+    joint = {}
+
+    def walk(prefix, prob):
+        if len(prefix) == depth:
+            joint[tuple(prefix)] = prob
+            return
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt_ids + prefix])).logits[0, -1].numpy()
+        p = params.probs(logits)
+        for t in np.flatnonzero(p):
+            walk(prefix + [int(t)], prob * p[t])
+
+    walk([], 1.0)
+    return joint
+
+
+def _chi_square_p_value(samples, joint):
+    from scipy.stats import chisquare
+
+    keys = sorted(joint)
+    observed = np.array([samples.get(k, 0) for k in keys], dtype=float)
+    if sum(samples.values()) != observed.sum():
+        return 0.0  # a sequence the target can never produce
+    expected = np.array([joint[k] for k in keys]) * observed.sum()
+    # pool the rare outcomes so every cell expects at least 5
+    rare = expected < 5
+    if rare.any():
+        observed = np.append(observed[~rare], observed[rare].sum())
+        expected = np.append(expected[~rare], expected[rare].sum())
+    return chisquare(observed, expected).pvalue
+
+
+@pytest.fixture(scope="module")
+def sampling_setup(exported, perturbed_export, model_dir):
+    from trtspec.runtime import SamplingParams
+
+    options = {"max_seq_len": 16, "max_batch": 64}
+    target = load_engine(exported(ARCH, **options))
+    draft = load_engine(perturbed_export(ARCH, 0.5, **options))
+    gen = Generator(target, draft, num_draft_tokens=2)
+    prompt = "def"
+    params = SamplingParams(temperature=1.5, top_k=4)
+    joint = _exact_joint(model_dir(ARCH), gen.tokenizer(prompt)["input_ids"], params, depth=3)
+    return gen, prompt, params, joint
+
+
+def _sample_sequences(gen, prompt, params, n, seed):
+    counts = {}
+    for i in range(n // 64):
+        out = gen.generate([prompt] * 64, max_new_tokens=3, temperature=params.temperature, top_k=params.top_k,
+                           seed=seed + i)
+        for r in out:
+            counts[tuple(r.token_ids)] = counts.get(tuple(r.token_ids), 0) + 1
+    return counts, out.stats
+
+
+ALPHA = 1e-3  # significance: a correct sampler fails this test once in a thousand seeds
+
+
+def test_speculative_sampling_follows_the_target_distribution(sampling_setup):
+    gen, prompt, params, joint = sampling_setup
+    counts, _ = _sample_sequences(gen, prompt, params, 20_480, seed=0)
+    assert sum(counts.values()) == 20_480
+    assert _chi_square_p_value(counts, joint) > ALPHA
+    # the draft was really used, with both outcomes, so acceptance and rejection paths were exercised
+    stats = gen.generate([prompt] * 64, max_new_tokens=3, temperature=1.5, top_k=4, seed=99).stats
+    assert 0.2 < stats.acceptance_rate < 0.95
+
+
+def test_a_wrong_acceptance_rule_fails_the_same_test(sampling_setup, monkeypatch):
+    def accept_everything(drafts, draft_probs, target_probs, rng):
+        from trtspec.runtime.sampling import sample
+
+        return drafts.size, sample(target_probs[drafts.size], rng)
+
+    monkeypatch.setattr(generator_module, "accept_sampling", accept_everything)
+    gen, prompt, params, joint = sampling_setup
+    counts, _ = _sample_sequences(gen, prompt, params, 20_480, seed=0)
+    assert _chi_square_p_value(counts, joint) < ALPHA
