@@ -260,12 +260,16 @@ def test_speculative_sampling_follows_the_target_distribution(sampling_setup):
 
 
 def test_a_wrong_acceptance_rule_fails_the_same_test(sampling_setup, monkeypatch):
-    def accept_everything(drafts, draft_probs, target_probs, rng):
-        from trtspec.runtime.sampling import sample
+    from trtspec.runtime.sampling import sample
 
+    def resample_from_target_on_rejection(drafts, draft_probs, target_probs, rng):
+        # a classic bug: after a rejection, draw from p instead of norm(max(0, p - q))
+        for j, x in enumerate(drafts):
+            if rng.random() * draft_probs[j, x] >= target_probs[j, x]:
+                return j, sample(target_probs[j], rng)
         return drafts.size, sample(target_probs[drafts.size], rng)
 
-    monkeypatch.setattr(generator_module, "accept_sampling", accept_everything)
+    monkeypatch.setattr(generator_module, "accept_sampling", resample_from_target_on_rejection)
     gen, prompt, params, joint = sampling_setup
     counts, _ = _sample_sequences(gen, prompt, params, 20_480, seed=0)
     assert _chi_square_p_value(counts, joint) < ALPHA
