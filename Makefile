@@ -14,15 +14,21 @@ $(VENV)/.installed: pyproject.toml
 .PHONY: setup demo test bench
 setup: $(VENV)/.installed
 
-demo: setup
-	$(PY) -m trtspec.testing llama models/demo-target --seed 0
-	$(VENV)/bin/trtspec export models/demo-target -o export/demo-target --max-seq-len 256 --max-batch 2
-	$(VENV)/bin/trtspec build export/demo-target -o engines/demo-target --backend onnxruntime
-	$(VENV)/bin/trtspec generate --target engines/demo-target --drafter prompt_lookup -k 4 \
-		--prompt "def add(a, b):" --max-new-tokens 48
+TRTSPEC := $(VENV)/bin/trtspec
+PROMPT ?= def list_python_files(top):
+
+engines/stdlib-%/manifest.json: models/stdlib-%/config.json | setup
+	$(TRTSPEC) export models/stdlib-$* -o export/stdlib-$* --max-seq-len 512 --max-batch 4
+	$(TRTSPEC) build export/stdlib-$* -o engines/stdlib-$* --backend onnxruntime
+
+demo: setup engines/stdlib-target/manifest.json engines/stdlib-draft/manifest.json
+	$(TRTSPEC) generate --target engines/stdlib-target --draft engines/stdlib-draft -k 4 \
+		--prompt "$(PROMPT)" --max-new-tokens 128
 
 test: setup
 	$(PY) -m pytest -q
 
-bench: setup
-	$(PY) -m pytest benchmarks -q --benchmark-disable-gc
+bench: setup engines/stdlib-target/manifest.json engines/stdlib-draft/manifest.json
+	$(TRTSPEC) bench --target engines/stdlib-target --draft engines/stdlib-draft --prompts models/heldout.json
+	$(PY) benchmarks/bench_decode.py
+	$(PY) -m pytest benchmarks -q

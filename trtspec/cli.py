@@ -1,4 +1,4 @@
-"""The `trtspec` command: export, build, generate."""
+"""The `trtspec` command: export, check, build, generate, bench."""
 
 from __future__ import annotations
 
@@ -32,16 +32,46 @@ def _add_export(sub):
     p.set_defaults(run=run)
 
 
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 2,3,5,9, got {text!r}") from None
+
+
+def _add_check(sub):
+    p = sub.add_parser("check", help="check a step graph artifact against TensorRT's documented ONNX support (CPU only)")
+    p.add_argument("export_dir")
+
+    def run(args):
+        from .builder.tensorrt_check import check_export, format_report
+
+        problems = check_export(args.export_dir)
+        print(format_report(args.export_dir, problems))
+        return 1 if problems else 0
+
+    p.set_defaults(run=run)
+
+
 def _add_build(sub):
     p = sub.add_parser("build", help="step graph artifact -> engine artifact for a backend")
     p.add_argument("export_dir")
     p.add_argument("-o", "--output", required=True, help="engine directory to write, e.g. engines/NAME")
     p.add_argument("--backend", choices=["onnxruntime", "tensorrt"], default="onnxruntime")
+    trt = p.add_argument_group("tensorrt only")
+    trt.add_argument("--max-prefill", type=_positive_int, help="most tokens per row in one prefill call (default: the KV cache capacity)")
+    trt.add_argument("--verify-tokens", type=_int_list,
+                     help="tokens per verify call, k+1 for k drafted tokens, comma-separated (default 2,3,...,9)")
+    trt.add_argument("--workspace", type=_positive_int, metavar="MIB", help="TensorRT workspace limit in MiB (default: TensorRT's)")
+    trt.add_argument("--timing-cache", metavar="PATH", help="TensorRT timing cache file: read if present, written after the build")
 
     def run(args):
         from .builder import build
 
-        print(build(args.export_dir, args.output, backend=args.backend))
+        given = {"max_prefill": args.max_prefill, "verify_tokens": args.verify_tokens,
+                 "workspace_mib": args.workspace, "timing_cache": args.timing_cache}
+        options = {key: value for key, value in given.items() if value is not None}
+        print(build(args.export_dir, args.output, backend=args.backend, **options))
 
     p.set_defaults(run=run)
 
@@ -109,6 +139,45 @@ def _add_generate(sub):
     p.set_defaults(run=run)
 
 
+def _add_bench(sub):
+    p = sub.add_parser("bench", help="compare trtspec with HF generate/assisted/prompt lookup on the same prompts")
+    p.add_argument("--target", required=True, help="target engine directory")
+    p.add_argument("--draft", required=True, help="draft engine directory")
+    p.add_argument("--hf-target", help="target HF model directory (default: the one the engine was exported from)")
+    p.add_argument("--hf-draft", help="draft HF model directory (default: the one the engine was exported from)")
+    p.add_argument("--prompts", required=True,
+                   help="a JSON file with a list of prompts (strings, or objects with a 'prompt' key, or "
+                        "{'prompts': [...]}) such as models/heldout.json")
+    p.add_argument("--num-prompts", type=_positive_int, help="use the first N prompts (default: all)")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    p.add_argument("--repeats", type=_positive_int, default=3, help="runs per configuration; the median is reported")
+    p.add_argument("--max-k", type=_positive_int, default=8, help="measure k = 1..max-k and adaptive k (default 8)")
+    p.add_argument("--temperatures", type=lambda t: [float(v) for v in t.split(",")], default=[0.0, 0.8])
+    p.add_argument("--threads", type=_positive_int, default=2)
+    p.add_argument("--no-hf", action="store_true", help="skip the HF baselines (they are the slow part)")
+    p.add_argument("-o", "--output", default="benchmarks/results", help="where bench.json, bench.md, bench.png go")
+
+    def run(args):
+        from pathlib import Path
+
+        from .bench import load_prompts, run_bench, source_model_dir, write_outputs
+
+        prompts = load_prompts(args.prompts)[: args.num_prompts]
+        hf_target = args.hf_target or source_model_dir(args.target)
+        hf_draft = args.hf_draft or source_model_dir(args.draft)
+        results = run_bench(args.target, args.draft, hf_target, hf_draft, prompts,
+                            max_new_tokens=args.max_new_tokens, ks=range(1, args.max_k + 1), repeats=args.repeats,
+                            temperatures=args.temperatures, threads=args.threads, include_hf=not args.no_hf,
+                            log=lambda m: print(m, file=sys.stderr, flush=True))
+        write_outputs(results, Path(args.output))
+        from .bench import markdown_table
+
+        print(markdown_table(results))
+        print(f"wrote {args.output}/bench.json, bench.md, bench.png", file=sys.stderr)
+
+    p.set_defaults(run=run)
+
+
 def _print_stats(stats, finish_reason):
     line = (
         f"[{stats.new_tokens} tokens, {stats.tokens_per_s:.1f} tok/s, first token after "
@@ -131,16 +200,17 @@ def main(argv=None) -> int:
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_export(sub)
+    _add_check(sub)
     _add_build(sub)
     _add_generate(sub)
+    _add_bench(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="trtspec: %(message)s")
     try:
-        args.run(args)
+        return args.run(args) or 0
     except (TrtspecError, ValueError) as e:
         print(f"trtspec {args.command}: error: {e}", file=sys.stderr)
         return 2
-    return 0
 
 
 if __name__ == "__main__":

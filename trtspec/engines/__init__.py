@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..errors import ArtifactError, BackendUnavailableError
+from ..errors import ArtifactError
 from ..manifest import ENGINE_FORMAT, EXPORT_FORMAT, read_manifest
 from .base import Engine
 
@@ -25,7 +25,9 @@ def load_engine(path: str | os.PathLike, *, backend: str | None = None, num_thre
 
         return OnnxRuntimeEngine(path, manifest, num_threads=num_threads)
     if built_for == "tensorrt":
-        raise BackendUnavailableError(f"{path} is a TensorRT engine; the TensorRT backend is not available in this trtspec yet")
+        from .tensorrt import TensorRTEngine
+
+        return TensorRTEngine(path, manifest)  # num_threads is a CPU setting; a GPU engine has none
     raise ArtifactError(f"{path}: unknown backend {built_for!r} in its manifest (known: {', '.join(BACKENDS)})")
 
 

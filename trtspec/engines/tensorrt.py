@@ -18,8 +18,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
-
 from ..builder.tensorrt_plan import is_static, select_profile
 from ..errors import ArtifactError, BackendUnavailableError
 from .base import check_step_inputs

@@ -30,7 +30,8 @@ class AdaptiveK:
         self.rounds_since_probe = 0
 
     def record_round(self, proposed: int, accepted: int):
-        self.proposed += proposed
+        # alpha is per checked draft: drafts after the first rejection were never checked
+        self.proposed += accepted + (accepted < proposed)
         self.accepted += accepted
 
     def record_target(self, t: int, seconds: float):

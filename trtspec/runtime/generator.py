@@ -40,6 +40,7 @@ class RequestStats:
     rounds: int = 0
     proposed: int = 0
     accepted: int = 0
+    rejected: int = 0  # rounds that ended at a rejected draft (the rest accepted all they proposed)
     accepted_histogram: list[int] = field(default_factory=list)  # rounds that accepted i drafts, i = 0..k
 
     @property
@@ -51,6 +52,12 @@ class RequestStats:
         return self.accepted / self.proposed if self.proposed else 0.0
 
     @property
+    def token_acceptance(self) -> float:
+        """Per-token acceptance probability alpha: accepted / drafts actually checked (DESIGN.md §4)."""
+        checked = self.accepted + self.rejected
+        return self.accepted / checked if checked else 0.0
+
+    @property
     def mean_tokens_per_target_call(self) -> float:
         return self.new_tokens / self.target_calls if self.target_calls else 0.0
 
@@ -59,6 +66,7 @@ class RequestStats:
             return
         self.proposed += proposed
         self.accepted += accepted
+        self.rejected += accepted < proposed
         if len(self.accepted_histogram) <= accepted:
             self.accepted_histogram.extend([0] * (accepted + 1 - len(self.accepted_histogram)))
         self.accepted_histogram[accepted] += 1
@@ -68,6 +76,7 @@ class RequestStats:
         d.update(
             tokens_per_s=self.tokens_per_s,
             acceptance_rate=self.acceptance_rate,
+            token_acceptance=self.token_acceptance,
             mean_tokens_per_target_call=self.mean_tokens_per_target_call,
         )
         return d
@@ -377,13 +386,10 @@ class Generator:
             if text.stop:
                 # token by token, so a stop string completed mid-block ends the output at that token
                 piece = text.advance(row_tokens, n[slot])
-                hit = text.stop_hit(piece)
-                if hit is not None:
-                    cut = len(text.text) - hit
-                    text.text = text.text[:hit]
-                    delta += piece[: len(piece) - cut] if cut else piece
+                kept = text.cut_at_stop(piece)
+                if kept is not None:
                     row.finish_reason = "stop"
-                    return delta
+                    return delta + kept
                 delta += piece
             if n[slot] >= self.capacity:
                 row.finish_reason = "length"

@@ -17,9 +17,14 @@ class IncrementalText:
         self.tokenizer = tokenizer
         self.prefix_offset = start
         self.read_offset = start
-        self.text = ""
+        self.pieces: list[str] = []  # joined once at the end: no per-round copy of the whole text
+        self.tail = ""  # the last len(longest stop) - 1 characters, where a stop string may begin
         self.stop = stop
         self.longest_stop = max((len(s) for s in stop), default=0)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
 
     def _decode(self, ids) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
@@ -36,17 +41,19 @@ class IncrementalText:
             return ""
         delta = full[len(prefix) :]
         self.prefix_offset, self.read_offset = self.read_offset, end
-        self.text += delta
+        self.pieces.append(delta)
         return delta
 
-    def stop_hit(self, delta: str) -> int | None:
-        """If a stop string is now complete, the text length just past it (it may straddle deltas)."""
+    def cut_at_stop(self, delta: str) -> str | None:
+        """If the last delta completed a stop string (possibly begun in earlier text), drop what follows
+        the stop string and return the part of delta that remains; else None."""
         if not self.stop or not delta:
             return None
-        window_start = max(0, len(self.text) - len(delta) - self.longest_stop + 1)
-        best = None
-        for s in self.stop:
-            i = self.text.find(s, window_start)
-            if i >= 0 and (best is None or i + len(s) < best):
-                best = i + len(s)
-        return best
+        window = self.tail + delta
+        end = min((i + len(s) for s in self.stop if (i := window.find(s)) >= 0), default=None)
+        self.tail = window[len(window) - self.longest_stop + 1 :] if self.longest_stop > 1 else ""
+        if end is None:
+            return None
+        kept = delta[: end - (len(window) - len(delta))]
+        self.pieces[-1] = kept
+        return kept

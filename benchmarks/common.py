@@ -1,0 +1,57 @@
+"""Shared pieces of the benchmarks: models made offline, the machine's memory bandwidth, timing."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+WORK = ROOT / "models" / "bench"
+
+
+def random_llama(out_dir: Path, *, seed: int = 0, hidden: int = 512, layers: int = 8, heads: int = 8,
+                 kv_heads: int = 4, intermediate: int = 1376, vocab: int = 8000) -> Path:
+    """A random-init Llama (default ~31M parameters) with the tiny test tokenizer, saved as an HF directory."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from trtspec.testing import make_tokenizer
+
+    if (out_dir / "config.json").is_file():
+        return out_dir
+    tokenizer = make_tokenizer()
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def memory_bandwidth_gbs(mbytes: int = 256, repeats: int = 7) -> float:
+    """Read bandwidth: median of numpy sums over a buffer far larger than the caches."""
+    buf = np.ones(mbytes * (1 << 20) // 4, dtype=np.float32)
+    buf.sum()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        buf.sum()
+        times.append(time.perf_counter() - t)
+    return buf.nbytes / statistics.median(times) / 1e9
+
+
+def median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)

@@ -1,0 +1,182 @@
+"""Train the bundled target/draft pair on the Python standard library's source, offline and reproducibly.
+
+    python benchmarks/train_pair.py --out models/       # ~45 min on 2 cores
+
+Writes models/stdlib-target, models/stdlib-draft (HF directories, fp16 safetensors, shared tokenizer),
+models/heldout.json (the held-out file list and benchmark prompts) and models/MODEL_CARD.md.
+
+Data: every .py file of the running interpreter's standard library (site-packages excluded). A file is
+held out for evaluation when sha256(relative path) mod 20 == 0 (~5 %); nothing is trained on those.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import sysconfig
+import time
+from pathlib import Path
+
+import numpy as np
+
+SPECIALS = ["<pad>", "<s>", "</s>"]  # ids 0, 1, 2
+VOCAB = 8192
+SEQ = 256
+BATCH = 16
+
+TARGET = dict(hidden_size=512, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4,
+              intermediate_size=1536, tie_word_embeddings=False)
+DRAFT = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             intermediate_size=768, tie_word_embeddings=True)
+TARGET_STEPS, TARGET_LR = 300, 1.5e-3
+DRAFT_STEPS, DRAFT_LR = 600, 3e-3
+
+
+def stdlib_files() -> tuple[list[Path], list[Path], Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and p.is_file())
+    held = [p for p in files if int(hashlib.sha256(p.relative_to(root).as_posix().encode()).hexdigest(), 16) % 20 == 0]
+    held_set = set(held)
+    return [p for p in files if p not in held_set], held, root
+
+
+def read(p: Path) -> str:
+    return p.read_text(encoding="utf-8", errors="replace")
+
+
+def train_tokenizer(files: list[Path]):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator((read(p) for p in files), trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+
+
+def encode(tokenizer, files: list[Path]) -> np.ndarray:
+    # every file as <s> text </s>, concatenated: [N] uint16
+    ids = []
+    for batch_start in range(0, len(files), 64):
+        texts = [read(p) for p in files[batch_start : batch_start + 64]]
+        for enc in tokenizer(texts, add_special_tokens=False)["input_ids"]:
+            ids.extend([1, *enc, 2])
+    return np.asarray(ids, dtype=np.uint16)
+
+
+def make_model(spec: dict, seed: int):
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=VOCAB, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2,
+                         pad_token_id=0, rope_theta=10000.0, **spec)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def train(model, data: np.ndarray, steps: int, lr: float, seed: int, name: str):
+    import torch
+
+    rng = np.random.default_rng(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    warmup = max(1, steps // 15)
+    model.train()
+    t0 = time.perf_counter()
+    for step in range(steps):
+        scale = (step + 1) / warmup if step < warmup else 0.1 + 0.45 * (1 + math.cos(math.pi * (step - warmup) / (steps - warmup)))
+        for group in opt.param_groups:
+            group["lr"] = lr * scale
+        starts = rng.integers(0, data.size - SEQ - 1, size=BATCH)
+        x = torch.from_numpy(np.stack([data[s : s + SEQ] for s in starts]).astype(np.int64))
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step % 20 == 0 or step == steps - 1:
+            el = time.perf_counter() - t0
+            print(f"[{name}] step {step + 1}/{steps} loss {loss.item():.3f} "
+                  f"{el / 60:.1f} min, eta {el / (step + 1) * (steps - step - 1) / 60:.1f} min", flush=True)
+    model.eval()
+    return time.perf_counter() - t0
+
+
+def perplexity(model, data: np.ndarray, max_tokens: int = 65_536) -> float:
+    import torch
+
+    n = min(data.size - 1, max_tokens) // SEQ * SEQ
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for s in range(0, n, SEQ * BATCH):
+            chunk = data[s : min(s + SEQ * BATCH, n)].astype(np.int64).reshape(-1, SEQ)
+            x = torch.from_numpy(chunk)
+            loss = model(input_ids=x, labels=x).loss
+            total += loss.item() * x.numel()
+            count += x.numel()
+    return math.exp(total / count)
+
+
+def benchmark_prompts(held: list[Path], root: Path, tokenizer, n: int = 24, prompt_tokens: int = 96) -> list[dict]:
+    """A fixed prompt set: lines from a third into each held-out file, cut at a line end near prompt_tokens."""
+    prompts = []
+    for p in held:
+        text = read(p)
+        lines = text.splitlines(keepends=True)
+        acc = ""
+        for line in lines[len(lines) // 3 :]:
+            if len(tokenizer(acc + line)["input_ids"]) > prompt_tokens:
+                break
+            acc += line
+        if len(tokenizer(acc)["input_ids"]) >= prompt_tokens // 2 and len(text) > 3 * len(acc):
+            prompts.append({"file": p.relative_to(root).as_posix(), "prompt": acc})
+        if len(prompts) == n:
+            break
+    return prompts
+
+
+def main():
+    import torch
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="models", type=Path)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    t_start = time.perf_counter()
+    train_files, held, root = stdlib_files()
+    print(f"{len(train_files)} training files, {len(held)} held out", flush=True)
+    tokenizer = train_tokenizer(train_files)
+    train_ids, held_ids = encode(tokenizer, train_files), encode(tokenizer, held)
+    print(f"tokenizer {len(tokenizer)} tokens; {train_ids.size} training tokens, {held_ids.size} held out "
+          f"({(time.perf_counter() - t_start) / 60:.1f} min)", flush=True)
+
+    report = {"data": {"stdlib": str(root), "train_files": len(train_files), "heldout_files": len(held),
+                       "train_tokens": int(train_ids.size), "heldout_tokens": int(held_ids.size)}}
+    for name, spec, steps, lr, seed in (("target", TARGET, TARGET_STEPS, TARGET_LR, 0),
+                                         ("draft", DRAFT, DRAFT_STEPS, DRAFT_LR, 1)):
+        model = make_model(spec, seed)
+        seconds = train(model, train_ids, steps, lr, seed, name)
+        ppl = perplexity(model, held_ids)
+        out = args.out / f"stdlib-{name}"
+        model.to(torch.float16).save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        report[name] = {"parameters": sum(p.numel() for p in model.parameters()), "config": spec, "steps": steps,
+                        "tokens_seen": steps * BATCH * SEQ, "peak_lr": lr, "train_minutes": seconds / 60,
+                        "heldout_perplexity": ppl}
+        print(f"[{name}] held-out perplexity {ppl:.2f}", flush=True)
+    prompts = benchmark_prompts(held, root, tokenizer)
+    (args.out / "heldout.json").write_text(json.dumps(
+        {"rule": "sha256(path relative to the stdlib) mod 20 == 0", "files": [p.relative_to(root).as_posix() for p in held],
+         "prompts": prompts}, indent=1))
+    report["total_minutes"] = (time.perf_counter() - t_start) / 60
+    (args.out / "train_report.json").write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,256 @@
+"""`trtspec bench`: trtspec side by side with what users run instead, on the same prompts, in one run.
+
+Configurations (each over every prompt, batch 1, ``max_new_tokens`` each, repeated):
+  hf               HF generate() with the target (PyTorch eager)
+  hf_assisted      HF assisted generation, assistant_model = the draft
+  hf_prompt_lookup HF prompt lookup decoding (greedy only)
+  trtspec          trtspec target-only (drafter none)
+  trtspec_k{k}     trtspec speculative with the draft model, fixed k
+  trtspec_adaptive trtspec speculative with adaptive k (up to max k)
+  trtspec_lookup   trtspec prompt lookup
+Reported: median tokens/s, speedups vs hf and vs trtspec measured in the same run, acceptance,
+tokens per target call, the theoretical speedup E / (k c + v) from measured alpha and call costs,
+and whether greedy outputs equal HF's and trtspec target-only's.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .runtime import Generator
+from .runtime.speculative import expected_speedup, expected_tokens_per_call
+
+
+def load_prompts(path) -> list[str]:
+    """Prompts from a JSON file: a list of strings or of {"prompt": ...}, or {"prompts": [...]}."""
+    data = json.loads(Path(path).read_text())
+    if isinstance(data, dict):
+        data = data.get("prompts")
+    if not isinstance(data, list) or not data:
+        raise ValueError(f"{path} holds no prompts: expected a JSON list, or an object with a 'prompts' list")
+    prompts = [p["prompt"] if isinstance(p, dict) else p for p in data]
+    if not all(isinstance(p, str) and p for p in prompts):
+        raise ValueError(f"{path}: every prompt must be a non-empty string")
+    return prompts
+
+
+def source_model_dir(engine_dir) -> Path:
+    """The HF model directory an engine (or export) was made from, as its manifests record it."""
+    from .manifest import read_manifest
+
+    manifest = read_manifest(engine_dir, verify=False)
+    if "export_dir" in manifest.get("source", {}):
+        manifest = read_manifest(manifest["source"]["export_dir"], verify=False)
+    model_dir = Path(manifest.get("source", {}).get("model_dir", ""))
+    if not (model_dir / "config.json").is_file():
+        raise ValueError(f"cannot find the HF model {engine_dir} was made from; pass --hf-target/--hf-draft")
+    return model_dir
+
+
+def measure_call_costs(engine, sizes, *, position: int = 128, repeats: int = 30) -> dict[int, float]:
+    """Median seconds of one forward over T tokens at batch 1, for each T in sizes."""
+    costs = {}
+    position = min(position, engine.max_seq_len - max(sizes) - 1)
+    for t in sizes:
+        ids = np.ones((1, t), np.int64)
+        pos = np.arange(position, position + t)[None]
+        engine.forward(ids, pos)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            engine.forward(ids, pos)
+            times.append(time.perf_counter() - t0)
+        costs[t] = statistics.median(times)
+    return costs
+
+
+def _hf_runner(target_dir, draft_dir, threads, mode, k):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(threads)
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval() if mode == "assisted" else None
+
+    def run(prompt, max_new_tokens, temperature, seed):
+        ids = torch.tensor([tok(prompt)["input_ids"]])
+        kwargs = dict(max_new_tokens=max_new_tokens, attention_mask=torch.ones_like(ids), pad_token_id=tok.pad_token_id)
+        if temperature > 0:
+            torch.manual_seed(seed)
+            kwargs.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+        else:
+            kwargs.update(do_sample=False)
+        if mode == "assisted":
+            kwargs["assistant_model"] = draft
+        elif mode == "prompt_lookup":
+            kwargs["prompt_lookup_num_tokens"] = k
+        with torch.no_grad():
+            out = target.generate(ids, **kwargs)
+        return out[0, ids.shape[1]:].tolist(), None
+
+    return run
+
+
+def _trtspec_runner(gen: Generator):
+    def run(prompt, max_new_tokens, temperature, seed):
+        r = gen.generate(prompt, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+        return r.token_ids, r.stats
+
+    return run
+
+
+def _measure(run, prompts, max_new_tokens, temperature, repeats):
+    """Median tokens/s over repeats; outputs and summed stats of the first repeat."""
+    rates, outputs, totals = [], None, {"proposed": 0, "accepted": 0, "rejected": 0, "target_calls": 0, "new": 0}
+    for rep in range(repeats):
+        new, elapsed, outs = 0, 0.0, []
+        for i, prompt in enumerate(prompts):
+            t0 = time.perf_counter()
+            ids, stats = run(prompt, max_new_tokens, temperature, seed=1000 * rep + i)
+            elapsed += time.perf_counter() - t0
+            new += len(ids)
+            outs.append(ids)
+            if rep == 0 and stats is not None:
+                totals["proposed"] += stats.proposed
+                totals["accepted"] += stats.accepted
+                totals["rejected"] += stats.rejected
+                totals["target_calls"] += stats.target_calls
+                totals["new"] += stats.new_tokens
+        rates.append(new / elapsed)
+        outputs = outputs or outs
+    row = {"tokens_per_s": statistics.median(rates), "tokens_per_s_runs": rates}
+    if totals["target_calls"]:
+        checked = totals["accepted"] + totals["rejected"]
+        row.update(
+            acceptance_rate=totals["accepted"] / totals["proposed"] if totals["proposed"] else None,
+            alpha=totals["accepted"] / checked if checked else None,
+            tokens_per_target_call=totals["new"] / totals["target_calls"],
+        )
+    return row, outputs
+
+
+def run_bench(
+    target: str | Path,
+    draft: str | Path,
+    hf_target: str | Path,
+    hf_draft: str | Path,
+    prompts: list[str],
+    *,
+    max_new_tokens: int = 128,
+    ks=range(1, 9),
+    repeats: int = 3,
+    temperatures=(0.0, 0.8),
+    threads: int = 2,
+    include_hf: bool = True,
+    log=print,
+) -> dict:
+    from .engines import load_engine
+
+    target_engine = load_engine(target, num_threads=threads)
+    draft_engine = load_engine(draft, num_threads=threads)
+    ks = list(ks)
+    costs_target = measure_call_costs(target_engine, sorted({1, *[k + 1 for k in ks]}))
+    costs_draft = measure_call_costs(draft_engine, [1, 2])
+    c = costs_draft[1] / costs_target[1]
+    log(f"target decode {costs_target[1] * 1e3:.2f} ms, draft decode {costs_draft[1] * 1e3:.2f} ms (c = {c:.3f})")
+    configs = []
+    if include_hf:
+        configs += [("hf", None, lambda: _hf_runner(hf_target, hf_draft, threads, "plain", 0)),
+                    ("hf_assisted", None, lambda: _hf_runner(hf_target, hf_draft, threads, "assisted", 0)),
+                    ("hf_prompt_lookup", None, lambda: _hf_runner(hf_target, hf_draft, threads, "prompt_lookup", 4))]
+    configs.append(("trtspec", 0, lambda: _trtspec_runner(Generator(target_engine))))
+    for k in ks:
+        configs.append((f"trtspec_k{k}", k, lambda k=k: _trtspec_runner(Generator(target_engine, draft_engine, num_draft_tokens=k))))
+    configs.append(("trtspec_adaptive", None, lambda: _trtspec_runner(
+        Generator(target_engine, draft_engine, num_draft_tokens=max(ks), adaptive_k=True))))
+    configs.append(("trtspec_lookup", 4, lambda: _trtspec_runner(
+        Generator(target_engine, drafter="prompt_lookup", num_draft_tokens=4))))
+
+    results = {"settings": {"prompts": len(prompts), "max_new_tokens": max_new_tokens, "repeats": repeats,
+                            "threads": threads, "ks": ks},
+               "costs_ms": {"target": {t: v * 1e3 for t, v in costs_target.items()},
+                            "draft": {t: v * 1e3 for t, v in costs_draft.items()}, "c": c},
+               "runs": {}}
+    for temperature in temperatures:
+        table, outputs = {}, {}
+        for name, k, make in configs:
+            if temperature > 0 and name == "hf_prompt_lookup":
+                continue  # HF prompt lookup is greedy-only
+            run = make()
+            log(f"T={temperature} {name} ...")
+            row, outs = _measure(run, prompts, max_new_tokens, temperature, repeats)
+            if k and name != "trtspec_lookup" and row.get("alpha") is not None:
+                v = costs_target[k + 1] / costs_target[1]
+                row.update(k=k, v=v, expected_tokens_per_call=expected_tokens_per_call(row["alpha"], k),
+                           theoretical_speedup=expected_speedup(row["alpha"], k, c, v))
+            table[name], outputs[name] = row, outs
+            log(f"    {row['tokens_per_s']:.1f} tok/s")
+        for name, row in table.items():
+            for base in ("hf", "trtspec"):
+                if base in table:
+                    row[f"speedup_vs_{base}"] = row["tokens_per_s"] / table[base]["tokens_per_s"]
+            if temperature == 0:
+                for base in ("hf", "trtspec"):
+                    if base in outputs:
+                        row[f"greedy_equals_{base}"] = outputs[name] == outputs[base]
+            if "theoretical_speedup" in row:
+                row["measured_over_theoretical"] = row["speedup_vs_trtspec"] / row["theoretical_speedup"]
+        results["runs"][str(temperature)] = table
+    return results
+
+
+def markdown_table(results: dict) -> str:
+    lines = []
+    for temperature, table in results["runs"].items():
+        lines += [f"\n**temperature {temperature}**\n",
+                  "| config | tok/s | vs HF | vs trtspec | acceptance | alpha | tokens/target call | theoretical | measured/theoretical | greedy = HF | greedy = trtspec |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for name, row in table.items():
+            def f(key, fmt="{:.2f}"):
+                value = row.get(key)
+                if value is None:
+                    return "–"
+                if isinstance(value, bool):
+                    return "yes" if value else "**no**"
+                return fmt.format(value)
+            lines.append(f"| {name} | {f('tokens_per_s', '{:.1f}')} | {f('speedup_vs_hf')}x | {f('speedup_vs_trtspec')}x | "
+                         f"{f('acceptance_rate')} | {f('alpha')} | {f('tokens_per_target_call')} | "
+                         f"{f('theoretical_speedup')} | {f('measured_over_theoretical')} | {f('greedy_equals_hf')} | "
+                         f"{f('greedy_equals_trtspec')} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for temperature, table in results["runs"].items():
+        ks = [row["k"] for name, row in table.items() if name.startswith("trtspec_k")]
+        rows = [row for name, row in table.items() if name.startswith("trtspec_k")]
+        ax1.plot(ks, [r["speedup_vs_trtspec"] for r in rows], "o-", label=f"measured, T={temperature}")
+        ax1.plot(ks, [r["theoretical_speedup"] for r in rows], "x--", label=f"theoretical, T={temperature}")
+        ax2.plot(ks, [r["alpha"] for r in rows], "o-", label=f"alpha, T={temperature}")
+        ax2.plot(ks, [r["acceptance_rate"] for r in rows], "x--", label=f"accepted/proposed, T={temperature}")
+    ax1.axhline(1.0, color="gray", lw=0.5)
+    ax1.set(xlabel="draft tokens k", ylabel="speedup over trtspec target-only", title="speedup vs k")
+    ax2.set(xlabel="draft tokens k", ylabel="rate", title="acceptance vs k", ylim=(0, 1))
+    ax1.legend(fontsize=7)
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def write_outputs(results: dict, out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "bench.json").write_text(json.dumps(results, indent=2))
+    (out_dir / "bench.md").write_text(markdown_table(results))
+    plot(results, out_dir / "bench.png")
