@@ -10,6 +10,7 @@ from .engines import load_engine
 from .errors import ArtifactError, BackendUnavailableError, CapacityError, TrtspecError, UnsupportedModelError
 from .exporter import export
 from .runtime import Generator, GenerationResult, SamplingParams, VocabularyMismatchError
+from .torch_backend import compile
 
 __all__ = [
     "ArtifactError",
@@ -23,6 +24,7 @@ __all__ = [
     "VocabularyMismatchError",
     "__version__",
     "build",
+    "compile",
     "export",
     "load_engine",
 ]

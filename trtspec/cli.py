@@ -92,13 +92,21 @@ def _add_generate(sub):
     p.add_argument("--stop", action="append", help="stop string; repeatable")
     p.add_argument("--threads", type=_positive_int, help="onnxruntime intra-op threads (default: all cores)")
     p.add_argument("--json", action="store_true", help="print results and statistics as JSON")
+    p.add_argument("--backend", choices=["auto", "torch"], default="auto",
+                   help="auto (default): run the engines the directories hold; torch: compile the HF model or export "
+                        "directories with torch.compile (inductor, CPU)")
 
     def run(args):
         from .runtime import Generator
 
+        target, draft = args.target, args.draft
+        if args.backend == "torch":
+            from .torch_backend import compile
+
+            target, draft = compile(target), draft and compile(draft)
         gen = Generator(
-            args.target,
-            args.draft,
+            target,
+            draft,
             num_draft_tokens=args.num_draft_tokens,
             drafter=args.drafter,
             adaptive_k=args.adaptive_k,

@@ -79,6 +79,14 @@ def atomic_artifact(out_dir: str | os.PathLike, manifest: dict):
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def export_source(export_dir: Path) -> dict:
+    """The ``source`` block of an engine manifest: which export it was built from, by manifest hash."""
+    return {
+        "export_dir": str(Path(export_dir).resolve()),
+        "export_manifest_sha256": sha256_file(Path(export_dir) / MANIFEST),
+    }
+
+
 def read_manifest(path: str | os.PathLike, *, verify: bool = True) -> dict:
     """Read and check an artifact's manifest; raise ArtifactError saying what is wrong."""
     root = Path(path)

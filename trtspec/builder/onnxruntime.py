@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import shutil
 import time
 from pathlib import Path
 
 from ..engines.onnxruntime import session_options
-from ..manifest import ENGINE_FORMAT, MANIFEST, atomic_artifact, versions
+from ..manifest import ENGINE_FORMAT, atomic_artifact, export_source, versions
 
 log = logging.getLogger("trtspec.build")
 
@@ -27,10 +26,7 @@ def build_onnxruntime(export_dir: Path, export_manifest: dict, out_dir: Path) ->
         "tokenizer": export_manifest["tokenizer"],
         "model": export_manifest["model"],
         "build": {"graph_optimization_level": "extended", "external_data": external},
-        "source": {
-            "export_dir": str(export_dir.resolve()),
-            "export_manifest_sha256": hashlib.sha256((export_dir / MANIFEST).read_bytes()).hexdigest(),
-        },
+        "source": export_source(export_dir),
         "versions": versions("onnxruntime", "onnx"),
     }
     with atomic_artifact(out_dir, manifest) as tmp:

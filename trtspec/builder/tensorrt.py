@@ -8,7 +8,6 @@ types and Q/DQ nodes, there are no precision flags to set.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import shutil
@@ -17,7 +16,7 @@ from pathlib import Path
 
 from ..engines.tensorrt_compat import compute_capability, import_tensorrt
 from ..errors import ArtifactError
-from ..manifest import ENGINE_FORMAT, MANIFEST, atomic_artifact, versions
+from ..manifest import ENGINE_FORMAT, atomic_artifact, export_source, versions
 from .tensorrt_check import check_export, format_report
 from .tensorrt_plan import DEFAULT_VERIFY_TOKENS, profile_plan
 
@@ -145,9 +144,6 @@ def _engine_manifest(export_dir, export_manifest, plan, trt_version, capability,
         "profile_plan": plan,
         "tensorrt": {"version": trt_version, "compute_capability": capability},
         "build": {"workspace_mib": workspace_mib, "timing_cache": str(cache_path) if cache_path else None},
-        "source": {
-            "export_dir": str(export_dir.resolve()),
-            "export_manifest_sha256": hashlib.sha256((export_dir / MANIFEST).read_bytes()).hexdigest(),
-        },
+        "source": export_source(export_dir),
         "versions": {**versions("onnx"), "tensorrt": trt_version},
     }

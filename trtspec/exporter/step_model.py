@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .architectures import ArchSpec
+from .kv_cache_inplace import kv_cache_write_
 from .kv_cache_op import kv_cache_write
 
 
@@ -24,11 +25,17 @@ def _rotate_half(x):
 
 
 class StepModel(nn.Module):
-    """forward(input_ids, position_ids, *past) -> (logits, *present); past/present per layer: key, value."""
+    """forward(input_ids, position_ids, *past) -> (logits, *present); past/present per layer: key, value.
 
-    def __init__(self, hf_model: nn.Module, spec: ArchSpec, max_seq_len: int):
+    With ``in_place_cache`` the past tensors are written in place (the torch backend's
+    persistent cache buffers) and each present is its past; the default keeps the
+    functional write the ONNX export needs.
+    """
+
+    def __init__(self, hf_model: nn.Module, spec: ArchSpec, max_seq_len: int, *, in_place_cache: bool = False):
         super().__init__()
         self.spec = spec
+        self.in_place_cache = in_place_cache
         self.max_seq_len = max_seq_len
         self.lm_head = hf_model.lm_head
         dtype = self.lm_head.weight.dtype
@@ -86,8 +93,13 @@ class StepModel(nn.Module):
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             out_proj = attn.o_proj
-        present_key = kv_cache_write(past_key, k, write_indices)
-        present_value = kv_cache_write(past_value, v, write_indices)
+        if self.in_place_cache:
+            kv_cache_write_(past_key, k, write_indices)
+            kv_cache_write_(past_value, v, write_indices)
+            present_key, present_value = past_key, past_value
+        else:
+            present_key = kv_cache_write(past_key, k, write_indices)
+            present_value = kv_cache_write(past_value, v, write_indices)
         y = F.scaled_dot_product_attention(
             q,
             present_key,

@@ -1,0 +1,190 @@
+"""The torch backend: HF's logits, a KV cache written in place, no recompiles, lossless next to onnxruntime."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+import trtspec
+from conftest import MAX_BATCH, S_MAX, hf_logits, random_ids
+from trtspec import BackendUnavailableError, Generator, load_engine
+from trtspec.cli import main as cli_main
+from trtspec.torch_backend.dynamo_backend import torch_tensorrt_importable
+
+TOL = 1e-4
+PROMPTS = ["def add(a, b):", "The quick brown fox jumps over the lazy dog. The quick"]
+NEW_TOKENS = 16
+LOGIT_CASES = [("llama", "eager"), ("qwen3", "eager"), ("gpt2", "eager"), ("llama", "inductor")]
+TRT_IMPORTABLE = torch_tensorrt_importable()
+
+
+@pytest.fixture(scope="module")
+def torch_engine(model_dir):
+    cache = {}
+
+    def get(arch: str, backend: str):
+        if (arch, backend) not in cache:
+            cache[arch, backend] = trtspec.compile(model_dir(arch), max_seq_len=S_MAX, max_batch=MAX_BATCH, backend=backend)
+        engine = cache[arch, backend]
+        engine.reset()
+        return engine
+
+    return get
+
+
+def compilations() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("arch,backend", LOGIT_CASES)
+def test_prefill_decode_chunk_logits_match_hf(arch, backend, torch_engine, model_dir, hf_model):
+    engine = torch_engine(arch, backend)
+    ids = random_ids(12, seed=1)
+    ref = hf_logits(hf_model(model_dir(arch)), ids)
+    prefill = engine.forward(ids[None, :7], np.arange(7)[None])
+    decode = engine.forward(ids[None, 7:8], np.array([[7]]))
+    chunk = engine.forward(ids[None, 8:12], np.arange(8, 12)[None])
+    np.testing.assert_allclose(prefill[0], ref[:7], atol=TOL, rtol=0)
+    np.testing.assert_allclose(decode[0], ref[7:8], atol=TOL, rtol=0)
+    np.testing.assert_allclose(chunk[0], ref[8:12], atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("arch,backend", LOGIT_CASES)
+def test_ragged_batch_logits_match_hf(arch, backend, torch_engine, model_dir, hf_model):
+    engine = torch_engine(arch, backend)  # 2 rows of MAX_BATCH 3: the first rows of each cache buffer
+    model = hf_model(model_dir(arch))
+    a, b = random_ids(12, seed=2), random_ids(9, seed=3)
+    ref_a, ref_b = hf_logits(model, a), hf_logits(model, b)
+    ids = np.stack([a[:7], np.concatenate([b[:4], [0, 0, 0]])])
+    out = engine.forward(ids, np.tile(np.arange(7), (2, 1)))
+    np.testing.assert_allclose(out[0], ref_a[:7], atol=TOL, rtol=0)
+    np.testing.assert_allclose(out[1, :4], ref_b[:4], atol=TOL, rtol=0)
+    out = engine.forward(np.array([[a[7]], [b[4]]]), np.array([[7], [4]]))
+    np.testing.assert_allclose(out[:, 0], np.stack([ref_a[7], ref_b[4]]), atol=TOL, rtol=0)
+    out = engine.forward(np.stack([a[8:12], b[5:9]]), np.stack([np.arange(8, 12), np.arange(5, 9)]))
+    np.testing.assert_allclose(out[0], ref_a[8:12], atol=TOL, rtol=0)
+    np.testing.assert_allclose(out[1], ref_b[5:9], atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_cache_is_written_in_place_only_at_the_new_positions(backend, torch_engine):
+    engine = torch_engine("llama", backend)
+    addresses = [c.data_ptr() for c in engine.caches]
+    engine.forward(random_ids(10, seed=4).reshape(2, 5), np.tile(np.arange(5), (2, 1)))
+    before = [c.clone() for c in engine.caches]
+    # a verify-shaped call: row 0 appends at 5..7, row 1 overwrites 2..4 (what follows a rejected draft)
+    engine.forward(random_ids(6, seed=5).reshape(2, 3), np.array([[5, 6, 7], [2, 3, 4]]))
+    expected = torch.zeros(MAX_BATCH, S_MAX, dtype=torch.bool)
+    expected[0, 5:8] = expected[1, 2:5] = True
+    for cache, old, address in zip(engine.caches, before, addresses):
+        assert cache.data_ptr() == address
+        assert torch.equal((cache != old).any(dim=3).any(dim=1), expected)  # [max_batch, S_max] slots that changed
+
+
+def test_decoding_at_ten_positions_compiles_at_most_once(torch_engine):
+    engine = torch_engine("llama", "inductor")
+    ids = random_ids(16, seed=6)
+    engine.forward(ids[None, :5], np.arange(5)[None])
+    start = compilations()
+    engine.forward(ids[None, 5:6], np.array([[5]]))  # may compile the decode graph (T = 1 is specialised)
+    after_first = compilations()
+    for p in range(6, 15):
+        engine.forward(ids[None, p : p + 1], np.array([[p]]))
+    assert after_first - start <= 1
+    assert compilations() == after_first
+
+
+@pytest.fixture(scope="module")
+def ort_llama(exported):
+    return load_engine(exported("llama"))
+
+
+@pytest.fixture(scope="module")
+def reference(ort_llama):
+    """Target-only greedy tokens of the tiny llama on onnxruntime."""
+    return [r.token_ids for r in Generator(ort_llama).generate(PROMPTS, max_new_tokens=NEW_TOKENS)]
+
+
+def test_torch_target_alone_equals_onnxruntime_target(torch_engine, reference):
+    out = Generator(torch_engine("llama", "eager")).generate(PROMPTS, max_new_tokens=NEW_TOKENS)
+    assert [r.token_ids for r in out] == reference
+
+
+def test_torch_target_with_onnxruntime_draft_equals_target_greedy(torch_engine, perturbed_export, reference):
+    draft = load_engine(perturbed_export("llama", 0.3))
+    out = Generator(torch_engine("llama", "eager"), draft, num_draft_tokens=3).generate(PROMPTS, max_new_tokens=NEW_TOKENS)
+    assert [r.token_ids for r in out] == reference
+    assert 0 < out.stats.accepted < out.stats.proposed  # multi-token verify writes and rollbacks both happened
+
+
+@pytest.fixture(scope="module")
+def torch_draft(perturbed_export):
+    return trtspec.compile(perturbed_export("llama", 0.3), backend="eager")  # compiled from the export's source
+
+
+def test_onnxruntime_target_with_torch_draft_from_an_export_equals_target_greedy(ort_llama, torch_draft, reference):
+    assert (torch_draft.max_seq_len, torch_draft.max_batch) == (S_MAX, MAX_BATCH)  # the export's own capacity
+    out = Generator(ort_llama, torch_draft, num_draft_tokens=3).generate(PROMPTS, max_new_tokens=NEW_TOKENS)
+    assert [r.token_ids for r in out] == reference
+    assert 0 < out.stats.accepted < out.stats.proposed
+
+
+def test_cli_generate_backend_torch_compiles_target_and_draft(model_dir, perturbed_export, torch_engine, torch_draft,
+                                                              reference, capsys, monkeypatch):
+    import trtspec.torch_backend as torch_backend
+
+    target, draft = str(model_dir("llama")), str(perturbed_export("llama", 0.3))
+    compiled = {target: torch_engine("llama", "eager"), draft: torch_draft}  # compiling them is tested above
+    asked = []
+    monkeypatch.setattr(torch_backend, "compile", lambda path: asked.append(path) or compiled[path])
+    code = cli_main(["generate", "--backend", "torch", "--target", target, "--draft", draft,
+                     "--max-new-tokens", str(NEW_TOKENS), "--json", *[arg for p in PROMPTS for arg in ("--prompt", p)]])
+    assert code == 0 and asked == [target, draft]
+    results = json.loads(capsys.readouterr().out)["results"]
+    assert [r["token_ids"] for r in results] == reference
+
+
+def test_engine_from_an_hf_dir_points_at_its_tokenizer(torch_engine, model_dir, ort_llama):
+    engine = torch_engine("llama", "eager")
+    assert engine.path == model_dir("llama") and engine.manifest["tokenizer"] == "."
+    for key in ("architecture", "vocab_size", "num_kv_heads", "head_dim", "special_tokens", "tokenizer_fingerprint",
+                "kv_aliases"):
+        assert engine.manifest["model"][key] == ort_llama.manifest["model"][key]
+
+
+def test_unknown_backend_and_missing_cuda_are_refused(model_dir):
+    with pytest.raises(ValueError, match="unknown torch backend 'tvm'.*inductor, eager, torch_tensorrt"):
+        trtspec.compile(model_dir("llama"), backend="tvm")
+    if not torch.cuda.is_available():
+        with pytest.raises(BackendUnavailableError, match="no CUDA GPU; use device='cpu'"):
+            trtspec.compile(model_dir("llama"), device="cuda")
+
+
+@pytest.mark.skipif(TRT_IMPORTABLE, reason="torch_tensorrt is importable here")
+def test_torch_tensorrt_backend_is_refused_when_not_importable(model_dir):
+    with pytest.raises(BackendUnavailableError, match="torch_tensorrt.*not importable.*backend='inductor'"):
+        trtspec.compile(model_dir("llama"), backend="torch_tensorrt")
+
+
+@pytest.mark.skipif(not TRT_IMPORTABLE, reason="torch_tensorrt is not importable (needs TensorRT and an NVIDIA GPU)")
+def test_torch_tensorrt_refuses_the_cache_write_until_its_converter_exists(model_dir):
+    with pytest.raises(NotImplementedError, match="IKVCacheUpdateLayer"):
+        trtspec.compile(model_dir("llama"), backend="torch_tensorrt")
+
+
+@pytest.mark.skipif(TRT_IMPORTABLE, reason="torch_tensorrt is importable here: the backend would not fall back")
+def test_trtspec_dynamo_backend_falls_back_to_inductor(caplog):
+    import trtspec.torch_backend.dynamo_backend  # noqa: F401  (registers "trtspec")
+
+    fn = torch.compile(lambda x: torch.relu(x) * 2 + 1, backend="trtspec", fullgraph=True)
+    x = torch.tensor([-1.0, 0.5, 2.0])
+    with caplog.at_level(logging.INFO, logger="trtspec.torch"):
+        out = fn(x)
+    assert torch.equal(out, torch.tensor([1.0, 2.0, 5.0]))
+    assert "torch_tensorrt is not importable; compiling" in caplog.text and "with inductor" in caplog.text

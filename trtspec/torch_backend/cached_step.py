@@ -1,0 +1,42 @@
+"""StepModel with its KV cache as fixed buffers: the module the torch engine compiles."""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import nn
+
+
+class CachedStep(nn.Module):
+    """forward(input_ids, position_ids) -> logits; writes K/V into this module's cache buffers in place."""
+
+    def __init__(self, step: nn.Module, max_batch: int, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.step = step
+        spec = step.spec
+        shape = (max_batch, spec.num_kv_heads, step.max_seq_len, spec.head_dim)
+        self.num_caches = 2 * spec.num_layers
+        for i in range(self.num_caches):  # key_0, value_0, key_1, ...
+            self.register_buffer(f"cache_{i}", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def caches(self) -> list[torch.Tensor]:
+        return [getattr(self, f"cache_{i}") for i in range(self.num_caches)]
+
+    def forward(self, input_ids, position_ids):
+        # input_ids [B, T] int64, position_ids [B, T] int64 -> logits [B, T, V]; writes cache rows [0, B)
+        b = input_ids.shape[0]
+        return self.step(input_ids, position_ids, *[c[:b] for c in self.caches()])[0]
+
+
+def own_forward(module: CachedStep):
+    """module.forward over a private copy of its code object.
+
+    Dynamo keeps its compiled graphs, and its recompile limit (8), per code object.
+    Shared by every engine in a process (target and draft, eager and inductor),
+    the few graphs each engine needs would add up past the limit; a copy per
+    compiled callable keeps each engine's cache to its own at most 4 graphs.
+    """
+    fn = CachedStep.forward
+    code = fn.__code__.replace()
+    return types.MethodType(types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__), module)

@@ -1,0 +1,128 @@
+"""The torch engine: StepModel over fixed in-place cache buffers, compiled with torch.compile.
+
+Each layer's K and V live in one buffer [max_batch, Hkv, S_max, D], allocated
+once; a call with B rows passes the first B rows (views) to StepModel, whose
+``trtspec::kv_cache_write_`` writes them in place. Positions are tensor inputs
+and the batch and token dimensions are compiled dynamic, so decoding at a new
+position never recompiles; torch specialises sizes 0 and 1, so the graphs are
+at most: (B = 1 | B > 1) x (T = 1 | T > 1).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from ..engines.base import check_step_inputs
+from ..errors import BackendUnavailableError
+from .source import load_source
+
+BACKENDS = ("inductor", "eager", "torch_tensorrt")
+DEVICES = ("cpu", "cuda")
+# On CUDA, calls of at most this many tokens per row (decode, verify k+1) run as CUDA graphs.
+MAX_GRAPHED_TOKENS = 16
+
+log = logging.getLogger("trtspec.torch")
+
+
+class TorchEngine:
+    """The engine protocol (engines/base.py) over a compiled torch module; see trtspec.compile()."""
+
+    backend = "torch"
+
+    def __init__(self, source, *, compile_backend: str, device: str):
+        import torch
+
+        from ..exporter.step_model import StepModel
+        from .cached_step import CachedStep
+
+        self.path = source.path
+        self.manifest = source.manifest
+        model = self.manifest["model"]
+        self.max_seq_len = model["max_seq_len"]
+        self.max_batch = model["max_batch"]
+        self.vocab_size = model["vocab_size"]
+        self.compile_backend = compile_backend
+        self.device = torch.device(device)
+        # built on the CPU (its RoPE table comes from the HF rotary module there), then moved
+        hf = source.hf_model.requires_grad_(False)
+        step = StepModel(hf, source.spec, self.max_seq_len, in_place_cache=True).eval().to(self.device)
+        self.module = CachedStep(step, self.max_batch, getattr(torch, model["dtype"]), self.device)
+        self._general, self._graphed = _compile(self.module, compile_backend, self.device.type)
+
+    @property
+    def caches(self):
+        """The KV cache buffers, [max_batch, Hkv, S_max, D] each: key_0, value_0, key_1, ..."""
+        return self.module.caches()
+
+    def forward(self, input_ids, position_ids):
+        # input_ids [B, T] int64, position_ids [B, T] int64 -> logits [B, T, V] float32 numpy (a fresh array)
+        import torch
+
+        input_ids, position_ids = check_step_inputs(
+            input_ids, position_ids, max_batch=self.max_batch, max_seq_len=self.max_seq_len, vocab_size=self.vocab_size
+        )
+        fn = self._graphed if input_ids.shape[1] <= MAX_GRAPHED_TOKENS else self._general
+        ids = torch.from_numpy(input_ids).to(self.device)
+        pos = torch.from_numpy(position_ids).to(self.device)
+        with torch.no_grad():
+            logits = fn(ids, pos)
+        return logits.float().cpu().numpy()
+
+    def move_row(self, src: int, dst: int):
+        for cache in self.caches:
+            cache[dst].copy_(cache[src])
+
+    def reset(self):
+        for cache in self.caches:
+            cache.zero_()
+
+
+def _compile(module, backend: str, device: str):
+    """(general, graphed) callables, dynamic shapes; on CUDA with inductor, short calls replay CUDA graphs."""
+    import torch
+
+    from . import dynamo_backend  # registers the "trtspec" torch.compile backend
+    from .cached_step import own_forward
+
+    if backend == "torch_tensorrt":
+        dynamo_backend.refuse_kv_cache_write_on_tensorrt()
+    general = torch.compile(own_forward(module), backend=backend, fullgraph=True, dynamic=True)
+    if device == "cuda" and backend == "inductor":
+        # cudagraph trees record one graph per concrete (B, T): few for decode and verify, many for prefill
+        graphed = torch.compile(own_forward(module), backend="inductor", mode="reduce-overhead", fullgraph=True, dynamic=True)
+        return general, graphed
+    return general, general
+
+
+def compile(
+    model_dir_or_export_dir: str | os.PathLike,
+    *,
+    max_seq_len: int | None = None,
+    max_batch: int | None = None,
+    backend: str = "inductor",
+    device: str = "cpu",
+    dtype: str | None = None,
+) -> TorchEngine:
+    """Compile an HF model (or the model behind an export/ artifact) into a torch engine.
+
+    The engine has the same protocol as load_engine()'s, so Generator can mix it with
+    onnxruntime or TensorRT engines. ``backend`` is the torch.compile backend:
+    "inductor", "eager" (captured by dynamo, run by eager PyTorch) or "torch_tensorrt".
+    ``max_seq_len``/``max_batch``/``dtype`` default to the export's own values for an
+    export dir, else to 512 / 4 / "float32".
+    """
+    import torch
+
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown torch backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if device not in DEVICES:
+        raise ValueError(f"unknown device {device!r}; choose one of {', '.join(DEVICES)}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise BackendUnavailableError("device 'cuda' was asked for but torch sees no CUDA GPU; use device='cpu'")
+    source = load_source(Path(model_dir_or_export_dir), max_seq_len=max_seq_len, max_batch=max_batch, dtype=dtype)
+    engine = TorchEngine(source, compile_backend=backend, device=device)
+    log.info("torch engine for %s: backend %s on %s (compiled lazily, per shape class, on first calls)",
+             model_dir_or_export_dir, backend, device)
+    return engine

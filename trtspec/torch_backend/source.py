@@ -1,0 +1,111 @@
+"""What the torch backend compiles: an HF model directory, or the one an export/ artifact was made from.
+
+The engine's manifest mirrors an export manifest's "model" section (same helpers,
+same fingerprint), so the runtime checks a torch engine against an onnxruntime
+or TensorRT one exactly as it checks two exported ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import ArtifactError, UnsupportedModelError
+from ..exporter.contract import io_names
+from ..exporter.step_graph import DTYPES, _load_hf, _special_tokens, _tokenizer_fingerprint
+from ..manifest import EXPORT_FORMAT, MANIFEST, read_manifest, sha256_file
+
+DEFAULT_MAX_SEQ_LEN = 512
+DEFAULT_MAX_BATCH = 4
+DEFAULT_DTYPE = "float32"
+
+
+@dataclass
+class Source:
+    hf_model: object  # the transformers model, eval mode
+    spec: object  # ArchSpec
+    path: Path  # engine.path: the directory the tokenizer path is relative to
+    manifest: dict
+
+
+def load_source(path: Path, *, max_seq_len: int | None, max_batch: int | None, dtype: str | None) -> Source:
+    """Load the HF model behind an HF model dir or an export/ dir, and describe it like an export manifest."""
+    path = Path(path)
+    if (path / MANIFEST).is_file():
+        return _from_export(path, max_seq_len, max_batch, dtype)
+    if not (path / "config.json").is_file():
+        raise ArtifactError(
+            f"{path} is neither a Hugging Face model directory (no config.json) nor a trtspec export "
+            f"(no {MANIFEST}); pass one of them"
+        )
+    return _load(path, path, ".", _or(max_seq_len, DEFAULT_MAX_SEQ_LEN), _or(max_batch, DEFAULT_MAX_BATCH),
+                 _or(dtype, DEFAULT_DTYPE))
+
+
+def _or(value, default):
+    return default if value is None else value
+
+
+def _from_export(path: Path, max_seq_len, max_batch, dtype) -> Source:
+    exported = read_manifest(path)
+    if exported["format"] != EXPORT_FORMAT:
+        raise ArtifactError(
+            f"{path} is a built engine ({exported.get('backend')}), not an export; "
+            "pass its export/ directory or the HF model directory"
+        )
+    model_dir = Path(exported["source"]["model_dir"])
+    if not (model_dir / "config.json").is_file():
+        raise ArtifactError(
+            f"{path} was exported from {model_dir}, which is gone; the torch backend compiles the HF weights, "
+            "so pass the HF model directory itself"
+        )
+    if sha256_file(model_dir / "config.json") != exported["source"]["config_sha256"]:
+        raise ArtifactError(
+            f"{model_dir}/config.json changed since {path} was exported; re-export, or pass the HF directory itself"
+        )
+    m = exported["model"]
+    source = _load(model_dir, path, exported["tokenizer"], _or(max_seq_len, m["max_seq_len"]),
+                   _or(max_batch, m["max_batch"]), _or(dtype, m["dtype"]))
+    if source.manifest["model"]["tokenizer_fingerprint"] != m["tokenizer_fingerprint"]:
+        raise ArtifactError(
+            f"the tokenizer in {model_dir} differs from the one exported into {path}; re-export the model"
+        )
+    return source
+
+
+def _load(model_dir: Path, path: Path, tokenizer_rel: str, max_seq_len: int, max_batch: int, dtype: str) -> Source:
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+    if max_seq_len < 2:
+        raise ValueError(f"max_seq_len must be at least 2 (got {max_seq_len})")
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be at least 1 (got {max_batch})")
+    config, spec, tokenizer, generation_config, hf = _load_hf(model_dir, dtype)
+    if spec.family == "gpt2" and max_seq_len > config.n_positions:
+        raise UnsupportedModelError(
+            f"max_seq_len {max_seq_len} exceeds the model's {config.n_positions} learned positions; "
+            f"use max_seq_len={config.n_positions} or less"
+        )
+    weight_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in hf.parameters()}.values())
+    manifest = {
+        "format": "trtspec-torch",  # in memory only: a torch engine is compiled at load time, never written
+        "backend": "torch",
+        "model": {
+            "architecture": spec.model_type,
+            "vocab_size": spec.vocab_size,
+            "num_layers": spec.num_layers,
+            "num_heads": spec.num_heads,
+            "num_kv_heads": spec.num_kv_heads,
+            "head_dim": spec.head_dim,
+            "max_seq_len": max_seq_len,
+            "max_batch": max_batch,
+            "dtype": dtype,
+            "kv_aliases": io_names(spec.num_layers).aliases,
+            "special_tokens": _special_tokens(config, generation_config, tokenizer),
+            "tokenizer_fingerprint": _tokenizer_fingerprint(tokenizer),
+            "weight_bytes": weight_bytes,
+        },
+        "tokenizer": tokenizer_rel,
+        "source": {"model_dir": str(model_dir.resolve())},
+    }
+    return Source(hf, spec, path, manifest)
