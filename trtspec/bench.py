@@ -99,15 +99,17 @@ def _hf_runner(target_dir, draft_dir, threads, mode, k):
 
 def _trtspec_runner(gen: Generator):
     def run(prompt, max_new_tokens, temperature, seed):
-        r = gen.generate(prompt, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
-        return r.token_ids, r.stats
+        out = gen.generate([prompt], max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+        return out[0].token_ids, out.stats  # batch stats: they carry the time split
 
     return run
 
 
 def _measure(run, prompts, max_new_tokens, temperature, repeats):
     """Median tokens/s over repeats; outputs and summed stats of the first repeat."""
-    rates, outputs, totals = [], None, {"proposed": 0, "accepted": 0, "rejected": 0, "target_calls": 0, "new": 0}
+    rates, outputs = [], None
+    totals = dict.fromkeys(("proposed", "accepted", "rejected", "target_calls", "new", "rounds", "draft_calls"), 0)
+    totals.update(draft_s=0.0, verify_s=0.0)
     for rep in range(repeats):
         new, elapsed, outs = 0, 0.0, []
         for i, prompt in enumerate(prompts):
@@ -122,6 +124,8 @@ def _measure(run, prompts, max_new_tokens, temperature, repeats):
                 totals["rejected"] += stats.rejected
                 totals["target_calls"] += stats.target_calls
                 totals["new"] += stats.new_tokens
+                for key in ("rounds", "draft_calls", "draft_s", "verify_s"):
+                    totals[key] += getattr(stats, key)
         rates.append(new / elapsed)
         outputs = outputs or outs
     row = {"tokens_per_s": statistics.median(rates), "tokens_per_s_runs": rates}
@@ -131,6 +135,9 @@ def _measure(run, prompts, max_new_tokens, temperature, repeats):
             acceptance_rate=totals["accepted"] / totals["proposed"] if totals["proposed"] else None,
             alpha=totals["accepted"] / checked if checked else None,
             tokens_per_target_call=totals["new"] / totals["target_calls"],
+            # costs as paid inside the generation loop (caches shared with the other model), per call
+            verify_ms=totals["verify_s"] / totals["rounds"] * 1e3 if totals["rounds"] else None,
+            draft_call_ms=totals["draft_s"] / totals["draft_calls"] * 1e3 if totals["draft_calls"] else None,
         )
     return row, outputs
 
@@ -186,9 +193,12 @@ def run_bench(
             log(f"T={temperature} {name} ...")
             row, outs = _measure(run, prompts, max_new_tokens, temperature, repeats)
             if k and name != "trtspec_lookup" and row.get("alpha") is not None:
-                v = costs_target[k + 1] / costs_target[1]
-                row.update(k=k, v=v, expected_tokens_per_call=expected_tokens_per_call(row["alpha"], k),
-                           theoretical_speedup=expected_speedup(row["alpha"], k, c, v))
+                # S = E / (k c + v) with alpha and the per-call costs measured in this run's loops, relative
+                # to a decode call of the target-only run
+                decode_ms = table["trtspec"]["verify_ms"]
+                c_loop, v = row["draft_call_ms"] / decode_ms, row["verify_ms"] / decode_ms
+                row.update(k=k, c=c_loop, v=v, expected_tokens_per_call=expected_tokens_per_call(row["alpha"], k),
+                           theoretical_speedup=expected_speedup(row["alpha"], k, c_loop, v))
             table[name], outputs[name] = row, outs
             log(f"    {row['tokens_per_s']:.1f} tok/s")
         for name, row in table.items():
@@ -219,7 +229,7 @@ def markdown_table(results: dict) -> str:
                 if isinstance(value, bool):
                     return "yes" if value else "**no**"
                 return fmt.format(value)
-            lines.append(f"| {name} | {f('tokens_per_s', '{:.1f}')} | {f('speedup_vs_hf')}x | {f('speedup_vs_trtspec')}x | "
+            lines.append(f"| {name} | {f('tokens_per_s', '{:.1f}')} | {f('speedup_vs_hf', '{:.2f}x')} | {f('speedup_vs_trtspec', '{:.2f}x')} | "
                          f"{f('acceptance_rate')} | {f('alpha')} | {f('tokens_per_target_call')} | "
                          f"{f('theoretical_speedup')} | {f('measured_over_theoretical')} | {f('greedy_equals_hf')} | "
                          f"{f('greedy_equals_trtspec')} |")
