@@ -21,20 +21,6 @@ import numpy as np
 from common import RESULTS, WORK, memory_bandwidth_gbs, random_llama
 
 
-def torch_bandwidth_gbs(threads: int, mbytes: int = 256, repeats: int = 7) -> float:
-    import torch
-
-    torch.set_num_threads(threads)
-    buf = torch.ones(mbytes * (1 << 20) // 4)
-    buf.sum()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        buf.sum()
-        times.append(time.perf_counter() - t)
-    return buf.numel() * 4 / statistics.median(times) / 1e9
-
-
 def main():
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -73,7 +59,7 @@ def main():
         out = fn(n)
         return time.perf_counter() - t, out
 
-    bw = {"numpy_1_thread": memory_bandwidth_gbs(), f"torch_{args.threads}_threads": torch_bandwidth_gbs(args.threads)}
+    bw = {"numpy_1_thread": memory_bandwidth_gbs(), f"torch_{args.threads}_threads": memory_bandwidth_gbs(torch_threads=args.threads)}
     machine_bw = max(bw.values())
     rates = {"hf": [], "trtspec": []}
     outputs = {}

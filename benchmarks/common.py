@@ -36,16 +36,17 @@ def random_llama(out_dir: Path, *, seed: int = 0, hidden: int = 512, layers: int
     return out_dir
 
 
-def memory_bandwidth_gbs(mbytes: int = 256, repeats: int = 7) -> float:
-    """Read bandwidth: median of numpy sums over a buffer far larger than the caches."""
-    buf = np.ones(mbytes * (1 << 20) // 4, dtype=np.float32)
+def memory_bandwidth_gbs(mbytes: int = 256, repeats: int = 7, torch_threads: int | None = None) -> float:
+    """Read bandwidth: median of sums over a buffer far larger than the caches (numpy, 1 thread; or torch)."""
+    if torch_threads is None:
+        buf = np.ones(mbytes * (1 << 20) // 4, dtype=np.float32)
+    else:
+        import torch
+
+        torch.set_num_threads(torch_threads)
+        buf = torch.ones(mbytes * (1 << 20) // 4)
     buf.sum()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        buf.sum()
-        times.append(time.perf_counter() - t)
-    return buf.nbytes / statistics.median(times) / 1e9
+    return mbytes * (1 << 20) / median_time(buf.sum, repeats) / 1e9
 
 
 def median_time(fn, repeats: int) -> float:

@@ -46,6 +46,27 @@ def _special_tokens(config, generation_config, tokenizer) -> dict:
     return {"bos_token_id": bos, "eos_token_ids": eos, "pad_token_id": pad}
 
 
+def model_description(spec, config, generation_config, tokenizer, hf, max_seq_len, max_batch, dtype) -> dict:
+    """The manifest's "model" section every backend shares: what the runtime needs to know of the step."""
+    from .contract import io_names
+
+    return {
+        "architecture": spec.model_type,
+        "vocab_size": spec.vocab_size,
+        "num_layers": spec.num_layers,
+        "num_heads": spec.num_heads,
+        "num_kv_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "max_seq_len": max_seq_len,
+        "max_batch": max_batch,
+        "dtype": dtype,
+        "kv_aliases": io_names(spec.num_layers).aliases,
+        "special_tokens": _special_tokens(config, generation_config, tokenizer),
+        "tokenizer_fingerprint": _tokenizer_fingerprint(tokenizer),
+        "weight_bytes": sum(p.numel() * p.element_size() for p in {id(p): p for p in hf.parameters()}.values()),
+    }
+
+
 def _load_hf(model_dir: Path, dtype: str):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
@@ -140,8 +161,9 @@ def export(
         "position_ids": {0: batch, 1: seq},
         "past": tuple({0: batch} for _ in range(2 * spec.num_layers)),
     }
-    weight_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in hf.parameters()}.values())
-    log.info("exporting %s (%s, %d layers, %.1f MB of weights)", model_dir, spec.model_type, spec.num_layers, weight_bytes / 1e6)
+    model = model_description(spec, config, generation_config, tokenizer, hf, max_seq_len, max_batch, dtype)
+    log.info("exporting %s (%s, %d layers, %.1f MB of weights)", model_dir, spec.model_type, spec.num_layers,
+             model["weight_bytes"] / 1e6)
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
@@ -162,24 +184,7 @@ def export(
     manifest = {
         "format": EXPORT_FORMAT,
         "graph": GRAPH_FILE,
-        "model": {
-            "architecture": spec.model_type,
-            "vocab_size": spec.vocab_size,
-            "num_layers": spec.num_layers,
-            "num_heads": spec.num_heads,
-            "num_kv_heads": spec.num_kv_heads,
-            "head_dim": spec.head_dim,
-            "max_seq_len": max_seq_len,
-            "max_batch": max_batch,
-            "dtype": dtype,
-            "opset": OPSET,
-            "inputs": names.inputs,
-            "outputs": names.outputs,
-            "kv_aliases": names.aliases,
-            "special_tokens": _special_tokens(config, generation_config, tokenizer),
-            "tokenizer_fingerprint": _tokenizer_fingerprint(tokenizer),
-            "weight_bytes": weight_bytes,
-        },
+        "model": {**model, "opset": OPSET, "inputs": names.inputs, "outputs": names.outputs},
         "config": config.to_dict(),
         "source": {
             "model_dir": str(model_dir.resolve()),
@@ -189,7 +194,7 @@ def export(
     }
     with atomic_artifact(out_dir, manifest) as tmp:
         graph_path = tmp / GRAPH_FILE
-        program.save(graph_path, external_data=weight_bytes > EXTERNAL_DATA_BYTES)
+        program.save(graph_path, external_data=model["weight_bytes"] > EXTERNAL_DATA_BYTES)
         onnx.checker.check_model(str(graph_path), full_check=True)
         check_step_graph(onnx.load(str(graph_path), load_external_data=False), spec.num_layers)
         tokenizer.save_pretrained(tmp / "tokenizer")

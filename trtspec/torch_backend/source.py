@@ -11,8 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ArtifactError, UnsupportedModelError
-from ..exporter.contract import io_names
-from ..exporter.step_graph import DTYPES, _load_hf, _special_tokens, _tokenizer_fingerprint
+from ..exporter.step_graph import DTYPES, _load_hf, model_description
 from ..manifest import EXPORT_FORMAT, MANIFEST, read_manifest, sha256_file
 
 DEFAULT_MAX_SEQ_LEN = 512
@@ -86,25 +85,10 @@ def _load(model_dir: Path, path: Path, tokenizer_rel: str, max_seq_len: int, max
             f"max_seq_len {max_seq_len} exceeds the model's {config.n_positions} learned positions; "
             f"use max_seq_len={config.n_positions} or less"
         )
-    weight_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in hf.parameters()}.values())
     manifest = {
         "format": "trtspec-torch",  # in memory only: a torch engine is compiled at load time, never written
         "backend": "torch",
-        "model": {
-            "architecture": spec.model_type,
-            "vocab_size": spec.vocab_size,
-            "num_layers": spec.num_layers,
-            "num_heads": spec.num_heads,
-            "num_kv_heads": spec.num_kv_heads,
-            "head_dim": spec.head_dim,
-            "max_seq_len": max_seq_len,
-            "max_batch": max_batch,
-            "dtype": dtype,
-            "kv_aliases": io_names(spec.num_layers).aliases,
-            "special_tokens": _special_tokens(config, generation_config, tokenizer),
-            "tokenizer_fingerprint": _tokenizer_fingerprint(tokenizer),
-            "weight_bytes": weight_bytes,
-        },
+        "model": model_description(spec, config, generation_config, tokenizer, hf, max_seq_len, max_batch, dtype),
         "tokenizer": tokenizer_rel,
         "source": {"model_dir": str(model_dir.resolve())},
     }
