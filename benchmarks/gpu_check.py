@@ -14,9 +14,7 @@ Nothing here runs without TensorRT; importing this file does nothing.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -67,23 +65,6 @@ def compare_logits(ort, trt, verify_tokens: list[int]):
         pos += t
 
 
-def time_calls(engine, tokens: list[int], batch: int, repeats: int = 50) -> dict:
-    """Median seconds of one call per T (the same slots are rewritten each time)."""
-    out = {}
-    for t in tokens:
-        ids = np.full((batch, t), 5, dtype=np.int64)
-        positions = np.tile(np.arange(16, 16 + t), (batch, 1))
-        for _ in range(3):  # the first static-profile call captures its CUDA graph
-            engine.forward(ids, positions)
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            engine.forward(ids, positions)
-            times.append(time.perf_counter() - t0)
-        out[t] = statistics.median(times)
-    return out
-
-
 def speculative(target_dir, draft_dir, k: int):
     from trtspec import Generator
 
@@ -107,6 +88,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     trt_module = _require_tensorrt()
     from trtspec import load_engine
+    from trtspec.bench import measure_call_costs
 
     verify = [int(v) for v in args.verify_tokens.split(",")]
     print(f"TensorRT {trt_module.__version__}")
@@ -115,7 +97,7 @@ def main(argv=None) -> int:
     trt = load_engine(built["target"]["tensorrt"])
     compare_logits(ort, trt, verify)
     for batch in (1, trt.max_batch):
-        times = time_calls(trt, [1, *verify], batch)
+        times = measure_call_costs(trt, [1, *verify], position=16, repeats=50, batch=batch, warmup=3)
         decode = times[1]
         cells = ", ".join(f"T={t}: {s * 1e3:.3f} ms (x{s / decode:.2f})" for t, s in times.items())
         print(f"TensorRT, batch {batch}: {cells}")

@@ -52,14 +52,16 @@ def source_model_dir(engine_dir) -> Path:
     return model_dir
 
 
-def measure_call_costs(engine, sizes, *, position: int = 128, repeats: int = 30) -> dict[int, float]:
-    """Median seconds of one forward over T tokens at batch 1, for each T in sizes."""
+def measure_call_costs(engine, sizes, *, position: int = 128, repeats: int = 30, batch: int = 1,
+                       warmup: int = 1) -> dict[int, float]:
+    """Median seconds of one forward over T tokens per row, for each T in sizes (the same slots each time)."""
     costs = {}
     position = min(position, engine.max_seq_len - max(sizes) - 1)
     for t in sizes:
-        ids = np.ones((1, t), np.int64)
-        pos = np.arange(position, position + t)[None]
-        engine.forward(ids, pos)
+        ids = np.ones((batch, t), np.int64)
+        pos = np.tile(np.arange(position, position + t), (batch, 1))
+        for _ in range(warmup):  # warmup > 1 where a first call captures a CUDA graph
+            engine.forward(ids, pos)
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()

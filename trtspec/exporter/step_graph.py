@@ -46,6 +46,28 @@ def _special_tokens(config, generation_config, tokenizer) -> dict:
     return {"bos_token_id": bos, "eos_token_ids": eos, "pad_token_id": pad}
 
 
+def load_for_step(model_dir: Path, max_seq_len: int, max_batch: int, dtype: str):
+    """Check the step options, load the HF model and tokenizer, and refuse what cannot be stepped."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+    if max_seq_len < 2:
+        raise ValueError(f"max_seq_len must be at least 2 (got {max_seq_len})")
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be at least 1 (got {max_batch})")
+    config, spec, tokenizer, generation_config, hf = _load_hf(model_dir, dtype)
+    if spec.family == "gpt2" and max_seq_len > config.n_positions:
+        raise UnsupportedModelError(
+            f"max_seq_len {max_seq_len} exceeds the model's {config.n_positions} learned positions; "
+            f"use --max-seq-len {config.n_positions} or less"
+        )
+    if len(tokenizer) > spec.vocab_size:
+        raise UnsupportedModelError(
+            f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary has {spec.vocab_size}; "
+            "they do not belong together"
+        )
+    return config, spec, tokenizer, generation_config, hf
+
+
 def model_description(spec, config, generation_config, tokenizer, hf, max_seq_len, max_batch, dtype) -> dict:
     """The manifest's "model" section every backend shares: what the runtime needs to know of the step."""
     from .contract import io_names
@@ -124,24 +146,8 @@ def export(
     from .step_model import StepModel
 
     model_dir, out_dir = Path(model_dir), Path(out_dir)
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
-    if max_seq_len < 2:
-        raise ValueError(f"max_seq_len must be at least 2 (got {max_seq_len})")
-    if max_batch < 1:
-        raise ValueError(f"max_batch must be at least 1 (got {max_batch})")
     t0 = time.perf_counter()
-    config, spec, tokenizer, generation_config, hf = _load_hf(model_dir, dtype)
-    if spec.family == "gpt2" and max_seq_len > config.n_positions:
-        raise UnsupportedModelError(
-            f"max_seq_len {max_seq_len} exceeds the model's {config.n_positions} learned positions; "
-            f"use --max-seq-len {config.n_positions} or less"
-        )
-    if len(tokenizer) > spec.vocab_size:
-        raise UnsupportedModelError(
-            f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary has {spec.vocab_size}; "
-            "they do not belong together"
-        )
+    config, spec, tokenizer, generation_config, hf = load_for_step(model_dir, max_seq_len, max_batch, dtype)
 
     step = StepModel(hf, spec, max_seq_len).eval()
     names = io_names(spec.num_layers)

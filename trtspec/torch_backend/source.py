@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import ArtifactError, UnsupportedModelError
-from ..exporter.step_graph import DTYPES, _load_hf, model_description
+from ..errors import ArtifactError
+from ..exporter.step_graph import load_for_step, model_description
 from ..manifest import EXPORT_FORMAT, MANIFEST, read_manifest, sha256_file
 
 DEFAULT_MAX_SEQ_LEN = 512
@@ -73,18 +73,7 @@ def _from_export(path: Path, max_seq_len, max_batch, dtype) -> Source:
 
 
 def _load(model_dir: Path, path: Path, tokenizer_rel: str, max_seq_len: int, max_batch: int, dtype: str) -> Source:
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
-    if max_seq_len < 2:
-        raise ValueError(f"max_seq_len must be at least 2 (got {max_seq_len})")
-    if max_batch < 1:
-        raise ValueError(f"max_batch must be at least 1 (got {max_batch})")
-    config, spec, tokenizer, generation_config, hf = _load_hf(model_dir, dtype)
-    if spec.family == "gpt2" and max_seq_len > config.n_positions:
-        raise UnsupportedModelError(
-            f"max_seq_len {max_seq_len} exceeds the model's {config.n_positions} learned positions; "
-            f"use max_seq_len={config.n_positions} or less"
-        )
+    config, spec, tokenizer, generation_config, hf = load_for_step(model_dir, max_seq_len, max_batch, dtype)
     manifest = {
         "format": "trtspec-torch",  # in memory only: a torch engine is compiled at load time, never written
         "backend": "torch",
