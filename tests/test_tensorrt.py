@@ -212,16 +212,16 @@ def test_qdq_scales_must_be_constant(exported):
 
 def test_int4_is_accepted_only_as_blocked_weight_only_dequantize_of_2d_weights(exported):
     _, manifest, model = _graph(exported)
-    packed = [1, -2] * 32
+    packed = bytes([0xE1]) * 32  # 64 INT4 values (1, -2), two per byte
     model.graph.initializer.extend([
-        helper.make_tensor("w4", TensorProto.INT4, [2, 32], packed),
-        helper.make_tensor("w4_3d", TensorProto.INT4, [2, 2, 16], packed),
+        helper.make_tensor("w4", TensorProto.INT4, [64, 1], packed, raw=True),
+        helper.make_tensor("w4_3d", TensorProto.INT4, [2, 2, 16], packed, raw=True),
         helper.make_tensor("s4", TensorProto.FLOAT, [2, 1], [0.1, 0.1]),
         helper.make_tensor("s", TensorProto.FLOAT, [], [0.1]),
         helper.make_tensor("zp4", TensorProto.INT4, [], [0]),
     ])
     model.graph.node.extend([
-        helper.make_node("DequantizeLinear", ["w4", "s4"], ["w4_dq"], name="dq_int4_ok", axis=1, block_size=32),
+        helper.make_node("DequantizeLinear", ["w4", "s4"], ["w4_dq"], name="dq_int4_ok", axis=0, block_size=32),
         helper.make_node("DequantizeLinear", ["w4_3d", "s"], ["w4_3d_dq"], name="dq_int4_3d"),
         helper.make_node("QuantizeLinear", ["w4_dq", "s", "zp4"], ["act_q4"], name="q_int4_activation"),
     ])

@@ -1,6 +1,7 @@
 """trtspec: fast lossless speculative decoding for Hugging Face causal LMs.
 
-export (HF dir -> step graph) -> build (step graph -> engine) -> runtime (Generator).
+export (HF dir -> step graph) -> quantize (optional Q/DQ passes) -> build (step graph -> engine)
+-> runtime (Generator).
 """
 
 __version__ = "0.1.0"
@@ -9,6 +10,7 @@ from .builder import build
 from .engines import load_engine
 from .errors import ArtifactError, BackendUnavailableError, CapacityError, TrtspecError, UnsupportedModelError
 from .exporter import export
+from .quantization import quantize
 from .runtime import Generator, GenerationResult, SamplingParams, VocabularyMismatchError
 from .torch_backend import compile
 
@@ -27,4 +29,5 @@ __all__ = [
     "compile",
     "export",
     "load_engine",
+    "quantize",
 ]

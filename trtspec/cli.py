@@ -1,4 +1,4 @@
-"""The `trtspec` command: export, check, build, generate, bench."""
+"""The `trtspec` command: export, quantize, check, build, generate, bench."""
 
 from __future__ import annotations
 
@@ -32,6 +32,32 @@ def _add_export(sub):
     p.set_defaults(run=run)
 
 
+def _add_quantize(sub):
+    from .quantization.quantize import BLOCK_SIZES, DEFAULT_BLOCK_SIZE, DEFAULT_CALIB_SAMPLES, MODES
+
+    p = sub.add_parser("quantize", help="step graph artifact -> the same graph with INT8/FP8/INT4 Q/DQ (TensorRT's explicit form)")
+    p.add_argument("export_dir", help="an unquantized export artifact, e.g. export/NAME")
+    p.add_argument("-o", "--output", required=True, help="artifact directory to write, e.g. export/NAME-int4-awq")
+    p.add_argument("--mode", required=True, choices=list(MODES),
+                   help="int8-wo: INT8 weights per channel; int8-sq: W8A8 with SmoothQuant; fp8: FP8 E4M3 weights and "
+                        "activations; int4-rtn / int4-awq: INT4 weights blocked along K, round-to-nearest / AWQ")
+    p.add_argument("--block-size", type=int, choices=BLOCK_SIZES, help=f"INT4 block along K (default {DEFAULT_BLOCK_SIZE})")
+    p.add_argument("--calib-file", help="calibration text: plain text, .json list of strings, or .jsonl "
+                                        "(default: held-out text shipped with trtspec)")
+    p.add_argument("--calib-samples", type=_positive_int,
+                   help=f"windows of up to 256 tokens to calibrate on (default {DEFAULT_CALIB_SAMPLES})")
+    p.add_argument("--quantize-lm-head", action="store_true", help="quantize the lm_head too (default: keep it in high precision)")
+
+    def run(args):
+        from .quantization import quantize
+
+        print(quantize(args.export_dir, args.output, mode=args.mode, block_size=args.block_size,
+                       calib_file=args.calib_file, calib_samples=args.calib_samples,
+                       quantize_lm_head=args.quantize_lm_head))
+
+    p.set_defaults(run=run)
+
+
 def _int_list(text: str) -> list[int]:
     try:
         return [int(v) for v in text.split(",") if v.strip()]
@@ -58,6 +84,9 @@ def _add_build(sub):
     p.add_argument("export_dir")
     p.add_argument("-o", "--output", required=True, help="engine directory to write, e.g. engines/NAME")
     p.add_argument("--backend", choices=["onnxruntime", "tensorrt"], default="onnxruntime")
+    ort_group = p.add_argument_group("onnxruntime only")
+    ort_group.add_argument("--no-qdq-fusion", action="store_true",
+                           help="run a quantized graph's Q/DQ nodes as written instead of onnxruntime's quantized kernels")
     trt = p.add_argument_group("tensorrt only")
     trt.add_argument("--max-prefill", type=_positive_int, help="most tokens per row in one prefill call (default: the KV cache capacity)")
     trt.add_argument("--verify-tokens", type=_int_list,
@@ -71,6 +100,8 @@ def _add_build(sub):
         given = {"max_prefill": args.max_prefill, "verify_tokens": args.verify_tokens,
                  "workspace_mib": args.workspace, "timing_cache": args.timing_cache}
         options = {key: value for key, value in given.items() if value is not None}
+        if args.no_qdq_fusion:
+            options["fuse_qdq"] = False
         print(build(args.export_dir, args.output, backend=args.backend, **options))
 
     p.set_defaults(run=run)
@@ -208,6 +239,7 @@ def main(argv=None) -> int:
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_export(sub)
+    _add_quantize(sub)
     _add_check(sub)
     _add_build(sub)
     _add_generate(sub)

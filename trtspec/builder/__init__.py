@@ -14,20 +14,24 @@ BACKENDS = ("onnxruntime", "tensorrt")
 def build(export_dir: str | os.PathLike, out_dir: str | os.PathLike, *, backend: str = "onnxruntime", **options) -> Path:
     """Build an engine artifact for ``backend`` from an export artifact; returns out_dir.
 
-    ``options`` are TensorRT build options (max_prefill, verify_tokens,
-    max_batch, workspace_mib, timing_cache; see builder.tensorrt.build_tensorrt).
+    ``options``: for onnxruntime, ``fuse_qdq`` (default True: quantized weights run
+    in onnxruntime's quantized kernels); for TensorRT, max_prefill, verify_tokens,
+    max_batch, workspace_mib, timing_cache (see builder.tensorrt.build_tensorrt).
     """
     export_dir = Path(export_dir)
     manifest = read_manifest(export_dir)
     if manifest["format"] != EXPORT_FORMAT:
         raise ArtifactError(f"{export_dir} is a built engine, not an export; pass the export/ directory it came from")
     if backend == "onnxruntime":
-        if options:
-            raise ValueError(f"build options {', '.join(sorted(options))} apply only to --backend tensorrt; drop them or pass --backend tensorrt")
+        foreign = sorted(set(options) - {"fuse_qdq"})
+        if foreign:
+            raise ValueError(f"build options {', '.join(foreign)} apply only to --backend tensorrt; drop them or pass --backend tensorrt")
         from .onnxruntime import build_onnxruntime
 
-        return build_onnxruntime(export_dir, manifest, Path(out_dir))
+        return build_onnxruntime(export_dir, manifest, Path(out_dir), **options)
     if backend == "tensorrt":
+        if "fuse_qdq" in options:
+            raise ValueError("--no-qdq-fusion applies only to --backend onnxruntime; TensorRT places Q/DQ itself")
         from .tensorrt import build_tensorrt
 
         return build_tensorrt(export_dir, manifest, Path(out_dir), **options)

@@ -1,41 +1,67 @@
-"""Build for onnxruntime: the step graph after onnxruntime's offline optimisations, saved once."""
+"""Build for onnxruntime: the step graph after onnxruntime's offline optimisations, saved once.
+
+For a quantized export this is also where the backend-specific lowering
+happens: onnxruntime's own QDQ fusions turn the portable weight pattern
+DequantizeLinear(INT4/INT8) -> MatMul into its MatMulNBits CPU kernel and INT8
+Q/DQ pairs into MatMulIntegerToFloat (we checked the numerics against the
+unfused graph rather than re-implement the packing). The export artifact keeps
+the Q/DQ form TensorRT reads; the manifest records which kernels the engine got.
+"""
 
 from __future__ import annotations
 
+import collections
 import logging
 import shutil
 import time
 from pathlib import Path
 
-from ..engines.onnxruntime import session_options
+from ..engines.onnxruntime import MATMUL_NBITS_ACCURACY_LEVEL, fuses_qdq, session_options
 from ..manifest import ENGINE_FORMAT, atomic_artifact, export_source, versions
 
 log = logging.getLogger("trtspec.build")
+QUANTIZED_KERNELS = ("MatMulNBits", "MatMulIntegerToFloat", "QLinearMatMul", "DequantizeLinear", "QuantizeLinear")
 
 
-def build_onnxruntime(export_dir: Path, export_manifest: dict, out_dir: Path) -> Path:
+def build_onnxruntime(export_dir: Path, export_manifest: dict, out_dir: Path, *, fuse_qdq: bool = True) -> Path:
+    import onnx
     import onnxruntime as ort
 
     t0 = time.perf_counter()
     graph = export_manifest["graph"]
     external = f"{graph}.data" in export_manifest["files"]
+    quantization = export_manifest.get("quantization")
+    if quantization is None and not fuse_qdq:
+        raise ValueError("--no-qdq-fusion applies only to quantized exports (made by `trtspec quantize`); drop it")
+    fuse = fuse_qdq and fuses_qdq(export_manifest)
+    build = {"graph_optimization_level": "extended", "external_data": external}
+    if quantization is not None:
+        build["fuse_qdq"] = fuse
+        if fuse:
+            build["matmul_nbits_accuracy_level"] = MATMUL_NBITS_ACCURACY_LEVEL
     manifest = {
         "format": ENGINE_FORMAT,
         "backend": "onnxruntime",
         "graph": graph,
         "tokenizer": export_manifest["tokenizer"],
         "model": export_manifest["model"],
-        "build": {"graph_optimization_level": "extended", "external_data": external},
+        "build": build,
         "source": export_source(export_dir),
         "versions": versions("onnxruntime", "onnx"),
     }
+    if quantization is not None:
+        manifest["quantization"] = {k: quantization[k] for k in ("mode", "block_size", "weights", "activations")}
     with atomic_artifact(out_dir, manifest) as tmp:
-        so = session_options(num_threads=None)
+        so = session_options(num_threads=None, fuse_qdq=fuse)
         so.optimized_model_filepath = str(tmp / graph)
         if external:
             so.add_session_config_entry("session.optimized_model_external_initializers_file_name", f"{graph}.data")
         log.info("optimising %s with onnxruntime %s", export_dir / graph, ort.__version__)
         ort.InferenceSession(str(export_dir / graph), so, providers=["CPUExecutionProvider"])
+        if quantization is not None:
+            ops = collections.Counter(n.op_type for n in onnx.load(str(tmp / graph), load_external_data=False).graph.node)
+            build["kernels"] = {op: ops[op] for op in QUANTIZED_KERNELS if ops[op]}
+            log.info("quantized kernels in the engine: %s", build["kernels"] or "none")
         shutil.copytree(export_dir / export_manifest["tokenizer"], tmp / export_manifest["tokenizer"])
     log.info("wrote %s in %.1f s", out_dir, time.perf_counter() - t0)
     return out_dir

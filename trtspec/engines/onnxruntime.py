@@ -18,7 +18,14 @@ from .base import check_step_inputs
 _NP_DTYPES = {"float32": np.float32, "float16": np.float16}
 
 
-def session_options(num_threads: int | None):
+def session_options(num_threads: int | None, *, fuse_qdq: bool = True):
+    """Our onnxruntime session settings.
+
+    ``fuse_qdq`` lets onnxruntime replace Q/DQ patterns by its quantized CPU kernels:
+    an INT4/INT8 weight DequantizeLinear -> MatMul becomes MatMulNBits (here with
+    accuracy_level 4: int8 dot products), INT8 Q/DQ pairs MatMulIntegerToFloat.
+    Without it the Q/DQ nodes run as written: exact, slower.
+    """
     import onnxruntime as ort
 
     so = ort.SessionOptions()
@@ -32,8 +39,28 @@ def session_options(num_threads: int | None):
     # No spin-waiting after a run: a target and a draft session alternate, and one session's spinning
     # threads would take the cores from the other (measured: speculation ran at half speed with it on).
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if fuse_qdq:
+        so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(MATMUL_NBITS_ACCURACY_LEVEL))
+    else:
+        so.add_session_config_entry("session.disable_quant_qdq", "1")
     so.log_severity_level = 3
     return so
+
+
+MATMUL_NBITS_ACCURACY_LEVEL = 4
+
+
+def fuses_qdq(manifest: dict) -> bool:
+    """Whether onnxruntime may fuse this artifact's Q/DQ nodes: for weight-only quantization only.
+
+    With quantized activations the fusion does not pay here: onnxruntime 1.31 fuses FP8
+    Q/DQ around a MatMul into MatMulIntegerToFloat, which takes only 8-bit integers, and
+    then refuses its own graph; for INT8 W8A8 (int8-sq) it fuses a third of the MatMuls and
+    the decode call became 5x slower than the unfused graph (25 vs 4.4 ms, benchmarks/bench_quant.py).
+    """
+    if (manifest.get("quantization") or {}).get("activations") is not None:
+        return False
+    return manifest.get("build", {}).get("fuse_qdq", True)
 
 
 class OnnxRuntimeEngine:
@@ -50,7 +77,7 @@ class OnnxRuntimeEngine:
         self.vocab_size = model["vocab_size"]
         self.dtype = _NP_DTYPES[model["dtype"]]
         self.session = ort.InferenceSession(
-            str(self.path / manifest["graph"]), session_options(num_threads), providers=["CPUExecutionProvider"]
+            str(self.path / manifest["graph"]), session_options(num_threads, fuse_qdq=fuses_qdq(manifest)), providers=["CPUExecutionProvider"]
         )
         self._logits_dtype = self.dtype
         cache_shape = (self.max_batch, model["num_kv_heads"], self.max_seq_len, model["head_dim"])

@@ -130,6 +130,28 @@ def _batch_size_from_input_ids(model) -> None:
             node.replace_input_with(0, input_ids)
 
 
+def _name_linear_nodes(model) -> None:
+    """Name each MatMul/Gemm after its module (``layers.0.self_attn.q_proj``, ``lm_head``).
+
+    The names come from the exporter's name scopes, which are dropped with the
+    rest of the metadata; quantization reports and `trtspec check` quote them.
+    """
+    import ast
+
+    taken = {node.name for node in model.graph.all_nodes()}
+    for node in model.graph.all_nodes():
+        if node.op_type not in ("MatMul", "Gemm"):
+            continue
+        try:
+            scopes = ast.literal_eval(node.metadata_props.get("pkg.torch.onnx.name_scopes", "[]"))
+        except (ValueError, SyntaxError):
+            continue
+        module = scopes[-2] if len(scopes) >= 2 else ""
+        if module and module not in taken:
+            taken.add(module)
+            node.name = module
+
+
 def export(
     model_dir: str | os.PathLike,
     out_dir: str | os.PathLike,
@@ -184,6 +206,7 @@ def export(
             verbose=False,
         )
     _batch_size_from_input_ids(program.model)
+    _name_linear_nodes(program.model)
     for node in program.model.graph.all_nodes():
         node.metadata_props.clear()  # stack traces with local paths; not part of the artifact
 

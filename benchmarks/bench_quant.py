@@ -1,0 +1,172 @@
+"""Quantization modes on the bundled trained pair: perplexity, sizes, decode speed, draft acceptance, in one run.
+
+    python benchmarks/bench_quant.py     # ~15 min on 2 cores; writes benchmarks/results/quant.{json,md}
+
+Target (models/stdlib-target) exported in float32, quantized with every mode, each built twice for
+onnxruntime: with onnxruntime's quantized kernels (the default engine) and with the Q/DQ nodes run as
+written (`--no-qdq-fusion`: the artifact's exact numerics, what the accuracy targets are judged on).
+- perplexity on benchmarks/data/eval_text.json (held-out files never used for calibration), first
+  WINDOW tokens of each text, one prefill call per text;
+- artifact size (model.onnx) and decode speed: the median cost of a decode call at position 128 and
+  greedy tokens/s (target only, 64 new tokens, 8 held-out prompts, median of 3 runs);
+- the draft quantized to INT4: per-token acceptance alpha of greedy speculation (k = 4) against the
+  float32 target on the 24 held-out prompts, vs the float32 draft.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+from common import RESULTS, ROOT, WORK
+
+MODES = [("int8-wo", None), ("int8-sq", None), ("fp8", None)] + [
+    (mode, b) for b in (32, 64, 128) for mode in ("int4-rtn", "int4-awq")]
+
+
+def perplexity(engine, windows: list[np.ndarray]) -> float:
+    nll, count = 0.0, 0
+    for ids in windows:
+        engine.reset()
+        logits = engine.forward(ids[None], np.arange(len(ids), dtype=np.int64)[None])[0].astype(np.float64)
+        logits -= logits.max(axis=-1, keepdims=True)
+        logp = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
+        nll -= logp[np.arange(len(ids) - 1), ids[1:]].sum()
+        count += len(ids) - 1
+    return math.exp(nll / count)
+
+
+def greedy_rate(gen, prompts, new_tokens: int, repeats: int = 3) -> tuple[float, list]:
+    gen.generate(prompts[0], max_new_tokens=4)
+    rates, out = [], None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = [gen.generate(p, max_new_tokens=new_tokens).token_ids for p in prompts]
+        rates.append(sum(map(len, out)) / (time.perf_counter() - t0))
+    return statistics.median(rates), out
+
+
+def acceptance(target, draft, prompts, new_tokens: int) -> dict:
+    from trtspec import Generator
+
+    out = Generator(target, draft, num_draft_tokens=4).generate(prompts, max_new_tokens=new_tokens)
+    s = out.stats
+    return {"alpha": s.token_acceptance, "accepted_per_proposed": s.acceptance_rate,
+            "tokens_per_target_call": s.mean_tokens_per_target_call, "tokens": [r.token_ids for r in out]}
+
+
+def main():
+    from trtspec import Generator, build, export, load_engine
+    from trtspec.bench import load_prompts, measure_call_costs
+    from trtspec.quantization import quantize
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--window", type=int, default=256)
+    parser.add_argument("--eval-texts", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    work = WORK / "quant"
+    prompts = load_prompts(ROOT / "models" / "heldout.json")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(ROOT / "models" / "stdlib-target")
+    texts = json.loads((ROOT / "benchmarks" / "data" / "eval_text.json").read_text())["texts"][: args.eval_texts]
+    windows = [np.asarray(tokenizer(t)["input_ids"][: args.window], dtype=np.int64) for t in texts]
+
+    t0 = time.perf_counter()
+    exports = {"float32": export(ROOT / "models" / "stdlib-target", work / "export" / "float32", max_seq_len=512, max_batch=1)}
+    draft_fp = export(ROOT / "models" / "stdlib-draft", work / "export" / "draft-float32", max_seq_len=512, max_batch=1)
+    report = {}
+    for mode, block in MODES:
+        name = mode if block is None else f"{mode}-b{block}"
+        t = time.perf_counter()
+        exports[name] = quantize(exports["float32"], work / "export" / name, mode=mode, block_size=block)
+        report[name] = {"quantize_s": time.perf_counter() - t}
+        print(f"quantized {name} in {report[name]['quantize_s']:.1f} s", flush=True)
+    report["float32"] = {"quantize_s": 0.0}
+
+    rows = {}
+    for name, exp in exports.items():
+        row = dict(report[name])
+        manifest = json.loads((Path(exp) / "manifest.json").read_text())
+        row["size_mb"] = (Path(exp) / "model.onnx").stat().st_size / 1e6
+        fused = build(exp, work / "engines" / name)
+        engine = load_engine(fused, num_threads=2)
+        row["kernels"] = json.loads((Path(fused) / "manifest.json").read_text())["build"].get("kernels", {})
+        row["ppl_engine"] = perplexity(engine, windows)
+        if "quantization" in manifest:
+            exact = build(exp, work / "engines" / f"{name}-qdq", fuse_qdq=False)
+            exact_engine = load_engine(exact, num_threads=2)
+            row["ppl_qdq"] = perplexity(exact_engine, windows)
+            row["decode_ms_qdq"] = measure_call_costs(exact_engine, [1])[1] * 1e3
+            del exact_engine
+        else:
+            row["ppl_qdq"] = row["ppl_engine"]
+        row["decode_ms"] = measure_call_costs(engine, [1])[1] * 1e3
+        row["greedy_tok_s"], _ = greedy_rate(Generator(engine), prompts[:8], args.new_tokens)
+        rows[name] = row
+        print(name, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+        del engine
+
+    base = rows["float32"]
+    for row in rows.values():
+        row["ppl_qdq_change_pct"] = 100 * (row["ppl_qdq"] / base["ppl_qdq"] - 1)
+        row["ppl_engine_change_pct"] = 100 * (row["ppl_engine"] / base["ppl_engine"] - 1)
+        row["decode_speedup"] = base["decode_ms"] / row["decode_ms"]
+        row["greedy_speedup"] = row["greedy_tok_s"] / base["greedy_tok_s"]
+
+    # The draft in INT4 against the float32 target.
+    target = load_engine(build(exports["float32"], work / "engines" / "float32"), num_threads=2)
+    drafts = {"float32": draft_fp}
+    for mode in ("int4-rtn", "int4-awq"):
+        drafts[mode] = quantize(draft_fp, work / "export" / f"draft-{mode}", mode=mode, block_size=32)
+    draft_rows = {}
+    for name, exp in drafts.items():
+        engine = load_engine(build(exp, work / "engines" / f"draft-{name}"), num_threads=2)
+        draft_rows[name] = acceptance(target, engine, prompts, 128)
+        draft_rows[name]["draft_decode_ms"] = measure_call_costs(engine, [1])[1] * 1e3
+        draft_rows[name]["size_mb"] = (Path(exp) / "model.onnx").stat().st_size / 1e6
+    target_only = Generator(target).generate(prompts, max_new_tokens=128)
+    for name, row in draft_rows.items():
+        row["lossless"] = row.pop("tokens") == [r.token_ids for r in target_only]
+        row["alpha_change_points"] = 100 * (row["alpha"] - draft_rows["float32"]["alpha"])
+        print("draft", name, row, flush=True)
+
+    result = {"target": rows, "draft": draft_rows, "eval": {"texts": len(windows), "tokens": int(sum(map(len, windows))),
+              "window": args.window}, "minutes": (time.perf_counter() - t0) / 60}
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "quant.json").write_text(json.dumps(result, indent=2) + "\n")
+    lines = [
+        f"Target perplexity on {len(windows)} held-out texts ({result['eval']['tokens']} tokens); decode = one call "
+        "at position 128 (median); greedy = 8 prompts x 64 tokens, median of 3.",
+        "",
+        "| mode | size MB | ppl (Q/DQ as written) | change | ppl (onnxruntime engine) | change | engine kernels | "
+        "decode ms | vs float32 | greedy tok/s | vs float32 | Q/DQ decode ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in rows.items():
+        kernels = ", ".join(f"{k} {v}" for k, v in r["kernels"].items()) or "-"
+        lines.append(f"| {name} | {r['size_mb']:.1f} | {r['ppl_qdq']:.3f} | {r['ppl_qdq_change_pct']:+.2f} % | "
+                     f"{r['ppl_engine']:.3f} | {r['ppl_engine_change_pct']:+.2f} % | {kernels} | {r['decode_ms']:.2f} | "
+                     f"{r['decode_speedup']:.2f}x | {r['greedy_tok_s']:.1f} | {r['greedy_speedup']:.2f}x | "
+                     f"{r.get('decode_ms_qdq', float('nan')):.2f} |")
+    lines += ["", "Draft quantized (block 32), speculative greedy k=4 against the float32 target, 24 held-out prompts x 128 tokens:",
+              "", "| draft | size MB | draft decode ms | alpha | change (points) | accepted/proposed | tokens/target call | lossless |",
+              "|---|---|---|---|---|---|---|---|"]
+    for name, r in draft_rows.items():
+        lines.append(f"| {name} | {r['size_mb']:.1f} | {r['draft_decode_ms']:.2f} | {r['alpha']:.3f} | "
+                     f"{r['alpha_change_points']:+.1f} | {r['accepted_per_proposed']:.3f} | {r['tokens_per_target_call']:.2f} | "
+                     f"{r['lossless']} |")
+    (RESULTS / "quant.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

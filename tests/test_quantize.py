@@ -1,0 +1,442 @@
+"""Quantization passes: numerics against a numpy reference, TensorRT's Q/DQ rules, accuracy, artifacts, bad input."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import ml_dtypes
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from conftest import hf_logits, random_ids
+from trtspec import ArtifactError, Generator, build, load_engine
+from trtspec.builder.tensorrt_check import check_export
+from trtspec.quantization import CalibrationError, numerics, qdq_violations, quantize
+from trtspec.quantization import passes
+from trtspec.quantization.report import QuantizationReport
+
+MODES = ("int8-wo", "int8-sq", "fp8", "int4-rtn", "int4-awq")
+CALIB = {"int8-sq": 8, "fp8": 8, "int4-awq": 8}  # calibration windows: few, to keep the suite fast
+
+
+@pytest.fixture(scope="session")
+def quantized(exported, tmp_path_factory):
+    cache = {}
+
+    def get(arch: str, mode: str, **options):
+        key = (arch, mode, tuple(sorted(options.items())))
+        if key not in cache:
+            if mode in CALIB:
+                options.setdefault("calib_samples", CALIB[mode])
+            if mode.startswith("int4"):
+                options.setdefault("block_size", 32)
+            cache[key] = quantize(exported(arch), tmp_path_factory.mktemp(f"q-{arch}-{mode}") / "a", mode=mode, **options)
+        return cache[key]
+
+    return get
+
+
+# -- numpy references, written independently of trtspec.quantization.numerics -------------------------
+
+
+def ref_int8(w):
+    q, s = np.zeros(w.shape, np.int8), np.zeros(w.shape[1], np.float32)
+    for n in range(w.shape[1]):
+        s[n] = np.abs(w[:, n]).max() / 127
+        q[:, n] = [max(-127, min(127, round(v / s[n]))) for v in w[:, n]]  # Python's round is half-to-even
+    return q.astype(np.float32) * s
+
+
+def ref_int4(w, block):
+    out = np.zeros_like(w, dtype=np.float32)
+    for b in range(0, w.shape[0], block):
+        for n in range(w.shape[1]):
+            col = w[b : b + block, n].astype(np.float32)
+            s = np.float32(np.abs(col).max()) / np.float32(7)
+            out[b : b + block, n] = [max(-8, min(7, round(float(v / s)))) * s for v in col]
+    return out
+
+
+def ref_e4m3(x):
+    """Round to the nearest float8 E4M3FN value (ties to even), saturating at 448."""
+    out = np.zeros_like(x, dtype=np.float64)
+    for i, v in np.ndenumerate(x.astype(np.float64)):
+        a = min(abs(v), 448.0)
+        e = max(np.floor(np.log2(a)) if a > 0 else -6, -6)  # below 2^-6: subnormal spacing 2^-9
+        step = 2.0 ** (e - 3)
+        out[i] = np.sign(v) * round(a / step) * step
+    return out
+
+
+def ref_fp8(w):
+    s = (np.abs(w).max(axis=0) / np.float32(448)).astype(np.float32)
+    return (ref_e4m3(w / s) * s).astype(np.float32)
+
+
+def weights_of(path) -> dict[str, np.ndarray]:
+    """MatMul name -> the [K, N] weight it multiplies by, dequantized in numpy from the graph's initializers."""
+    model = onnx.load(str(path / "model.onnx"))
+    inits = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    dq = {n.output[0]: n for n in model.graph.node if n.op_type == "DequantizeLinear"}
+    out = {}
+    for node in model.graph.node:
+        if node.op_type not in ("MatMul", "Gemm"):
+            continue
+        w = node.input[1]
+        if w in inits:
+            out[node.name] = inits[w].astype(np.float32)
+        elif w in dq:
+            d = dq[w]
+            q, s = inits[d.input[0]].astype(np.float32), inits[d.input[1]].astype(np.float32)
+            block = next((a.i for a in d.attribute if a.name == "block_size"), 0)
+            out[node.name] = q * (np.repeat(s, block, axis=0) if block else s)
+    return out
+
+
+def step_logits(path, ids, *, fuse_qdq=False):
+    """Logits [T, V] of one prefill call on a built onnxruntime engine."""
+    quantized = "quantization" in json.loads((path / "manifest.json").read_text())
+    options = {"fuse_qdq": False} if quantized and not fuse_qdq else {}
+    engine = load_engine(build(path, path.parent / f"engine-{fuse_qdq}", **options))
+    ids = np.asarray(ids, dtype=np.int64)
+    return engine.forward(ids[None], np.arange(len(ids))[None])[0].copy()
+
+
+# -- numerics ----------------------------------------------------------------------------------------
+
+
+def test_int8_int4_fp8_numerics_match_the_numpy_reference():
+    w = np.random.default_rng(0).standard_normal((64, 6)).astype(np.float32)
+    w[3, 2] = 9.0  # an outlier in one channel
+    np.testing.assert_array_equal(numerics.fake_quantize(w, "int8"), ref_int8(w))
+    np.testing.assert_array_equal(numerics.fake_quantize(w, "int4", 32), ref_int4(w, 32))
+    np.testing.assert_allclose(numerics.fake_quantize(w, "fp8"), ref_fp8(w), rtol=1e-6, atol=0)
+    q, scale = numerics.int4_blocked(w, 16)
+    assert q.dtype == ml_dtypes.int4 and scale.shape == (4, 6)
+    assert q.astype(np.int8).min() >= -8 and q.astype(np.int8).max() <= 7
+
+
+def test_smoothquant_factors_follow_the_formula():
+    rng = np.random.default_rng(1)
+    x_absmax = rng.random(8).astype(np.float32) * 10
+    w1, w2 = rng.standard_normal((8, 4)), rng.standard_normal((8, 3))
+    w_absmax = np.maximum(np.abs(w1).max(axis=1), np.abs(w2).max(axis=1))
+    expected = x_absmax**0.5 / w_absmax**0.5
+    np.testing.assert_allclose(numerics.smoothquant_factors(x_absmax, [w1, w2], 0.5), expected, rtol=1e-5)
+
+
+def test_awq_search_picks_the_grid_point_with_the_least_output_error():
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((64, 32)).astype(np.float32)
+    x[:, 5] *= 20  # a salient input channel: AWQ should scale it up
+    w = rng.standard_normal((32, 16)).astype(np.float32)
+    mean_abs = np.abs(x).mean(axis=0)
+    s, alpha, loss, rtn_loss = numerics.awq_search(x, mean_abs, [w], 16)
+    losses = []
+    for a in np.arange(20) / 20:
+        t = mean_abs**a
+        t = t / np.sqrt(t.max() * t.min())
+        losses.append(np.square((x / t) @ ref_int4(w * t[:, None], 16) - x @ w).sum())
+    assert alpha == pytest.approx(np.argmin(losses) / 20)
+    assert loss == pytest.approx(min(losses), rel=1e-3) and rtn_loss == pytest.approx(losses[0], rel=1e-3)
+    assert alpha > 0 and loss < rtn_loss
+
+
+# -- passes on graphs ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode,fmt", [("int8-wo", "int8"), ("fp8", "fp8"), ("int4-rtn", "int4")])
+def test_quantized_weights_in_the_graph_equal_the_reference_quantization(exported, quantized, mode, fmt):
+    before = weights_of(exported("llama"))
+    after = weights_of(quantized("llama", mode))
+    reference = {"int8": ref_int8, "fp8": ref_fp8, "int4": lambda w: ref_int4(w, 32)}[fmt]
+    assert set(after) == set(before)
+    for name, w in before.items():
+        if name == "lm_head":
+            np.testing.assert_array_equal(after[name], w)  # stays in float32
+        else:
+            np.testing.assert_allclose(after[name], reference(w), rtol=1e-6, atol=1e-7, err_msg=name)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_input_scaling_pass_leaves_the_function_unchanged(exported, tmp_path, arch):
+    import onnx_ir as ir
+
+    src = exported(arch)
+    model = ir.load(src / "model.onnx")
+    report = QuantizationReport("test")
+    linears = passes.find_linears(model, report, include_lm_head=True)
+    rng = np.random.default_rng(3)
+    for group in passes.group_by_activation(linears):
+        k = group[0].weight.const_value.shape[0]
+        passes.scale_inputs(model, group, rng.uniform(0.25, 4.0, k).astype(np.float32), report, "test")
+    out = tmp_path / "scaled"
+    out.mkdir()
+    ir.save(model, out / "model.onnx")
+    manifest = json.loads((src / "manifest.json").read_text())
+    manifest["files"] = {}
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    (out / "tokenizer").symlink_to(src / "tokenizer")
+    ids = random_ids(12, seed=4)
+    np.testing.assert_allclose(step_logits(out, ids), step_logits(src, ids), atol=2e-4, rtol=1e-4)
+    notes = "\n".join(report.notes)
+    if arch == "llama":
+        assert "q_proj, layers.0.self_attn.k_proj, layers.0.self_attn.v_proj: folded into" in notes  # the norm
+        assert "layers.0.mlp.down_proj: folded into the output columns of layers.0.mlp.up_proj" in notes
+        assert "layers.0.self_attn.o_proj: Mul by 1/s inserted" in notes
+    else:
+        assert "layers.0.attn.c_attn: folded into" in notes and "(LayerNormalization scale and bias)" in notes
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_mode_satisfies_tensorrt_rules_and_the_step_contract(quantized, exported, mode):
+    out = quantized("llama", mode)
+    model = onnx.load(str(out / "model.onnx"))
+    assert qdq_violations(model) == []
+    assert check_export(out) == []  # TensorRT support + the step-graph contract
+    manifest = json.loads((out / "manifest.json").read_text())
+    q = manifest["quantization"]
+    assert q["mode"] == mode and q["block_size"] == (32 if mode.startswith("int4") else None)
+    if mode in CALIB:
+        assert q["calibration"]["samples"] == CALIB[mode] and len(q["calibration"]["tokens_sha256"]) == 64
+        assert q["calibration"]["file"].startswith("default")
+    else:
+        assert q["calibration"] is None
+    report = json.loads((out / "quantization_report.json").read_text())
+    assert report["summary"]["quantized"] == 14 and [e["name"] for e in report["entries"] if e["action"] == "skipped"] == ["lm_head"]
+    # the KV cache I/O is untouched
+    src = onnx.load(str(exported("llama") / "model.onnx"))
+    assert [(i.name, i.type) for i in model.graph.input] == [(i.name, i.type) for i in src.graph.input]
+    assert [(o.name, o.type) for o in model.graph.output] == [(o.name, o.type) for o in src.graph.output]
+
+
+def test_int4_weights_are_stored_packed_so_the_file_shrinks(quantized, exported):
+    sizes = {m: (quantized("llama", m) / "model.onnx").stat().st_size for m in ("int8-wo", "int4-rtn")}
+    fp32 = (exported("llama") / "model.onnx").stat().st_size
+    report = json.loads((quantized("llama", "int4-rtn") / "quantization_report.json").read_text())["summary"]
+    # MatMul weights: 4 bytes -> 1/2 byte per value (+ one fp32 scale per 32 values)
+    assert report["matmul_weight_bytes_after"] == pytest.approx(report["matmul_weight_bytes_before"] * (0.5 + 4 / 32) / 4, rel=0.15)
+    assert fp32 - sizes["int4-rtn"] == pytest.approx(report["matmul_weight_bytes_before"] - report["matmul_weight_bytes_after"], rel=0.05)
+    assert sizes["int4-rtn"] < sizes["int8-wo"] < fp32
+
+
+def _qdq_graph(quantized):
+    return onnx.load(str(quantized("llama", "int8-sq") / "model.onnx"))
+
+
+def test_rule_checker_rejects_asymmetric_zero_points(quantized):
+    model = _qdq_graph(quantized)
+    q = next(n for n in model.graph.node if n.op_type == "QuantizeLinear")
+    zp = next(i for i in model.graph.initializer if i.name == q.input[2])
+    zp.CopyFrom(numpy_helper.from_array(np.array(3, np.int8), zp.name))
+    problems = qdq_violations(model)
+    assert len(problems) == 2  # the Q and its DQ share the zero point
+    assert all("nonzero zero point (asymmetric quantization)" in p for p in problems)
+
+
+def test_rule_checker_rejects_scales_computed_at_run_time(quantized):
+    model = _qdq_graph(quantized)
+    q = next(n for n in model.graph.node if n.op_type == "QuantizeLinear")
+    model.graph.node.insert(0, helper.make_node("Abs", [q.input[1]], ["scale_at_run_time"], name="abs_scale"))
+    q.input[1] = "scale_at_run_time"
+    assert qdq_violations(model) == [
+        f"{q.name}: QuantizeLinear scale 'scale_at_run_time' comes from Abs node 'abs_scale'; "
+        "TensorRT needs constant scales (an initializer)"
+    ]
+
+
+def test_rule_checker_rejects_int4_activations_unpacked_int4_and_per_channel_activation_scales(quantized):
+    model = onnx.load(str(quantized("llama", "int4-rtn") / "model.onnx"))
+    bad = copy.deepcopy(model)
+    matmul = next(n for n in bad.graph.node if n.op_type == "MatMul" and n.name == "layers.0.self_attn.o_proj")
+    bad.graph.initializer.extend([helper.make_tensor("s", TensorProto.FLOAT, [], [0.1]),
+                                  helper.make_tensor("zp4", TensorProto.INT4, [], [0]),
+                                  helper.make_tensor("s_channel", TensorProto.FLOAT, [64], [0.1] * 64),
+                                  helper.make_tensor("zp8", TensorProto.INT8, [64], [0] * 64)])
+    bad.graph.node.extend([
+        helper.make_node("QuantizeLinear", [matmul.input[0], "s", "zp4"], ["x4"], name="q_int4_activation"),
+        helper.make_node("DequantizeLinear", ["x4", "s", "zp4"], ["x4_dq"], name="dq_int4_activation"),
+        helper.make_node("QuantizeLinear", [matmul.input[0], "s_channel", "zp8"], ["x8"], name="q_per_channel", axis=2),
+        helper.make_node("DequantizeLinear", ["x8", "s_channel", "zp8"], ["x8_dq"], name="dq_per_channel", axis=2),
+    ])
+    problems = qdq_violations(bad)
+    assert [p.split(":")[0] for p in problems] == ["q_int4_activation", "dq_int4_activation", "q_per_channel"]
+    assert "INT4 QuantizeLinear; TensorRT takes INT4 only as weight-only" in problems[0]
+    assert "not a constant weight; INT4 is weight-only" in problems[1]
+    assert "quantized per tensor (a scalar scale)" in problems[2]
+
+    unpacked = copy.deepcopy(model)
+    init = next(i for i in unpacked.graph.initializer if i.data_type == TensorProto.INT4)
+    values = numpy_helper.to_array(init).astype(np.int32).reshape(-1).tolist()
+    init.ClearField("raw_data")
+    init.int32_data.extend(values)  # one value per int32: valid ONNX, not packed
+    problems = qdq_violations(unpacked)
+    assert len(problems) == 1 and "is not stored packed" in problems[0]
+
+
+def test_rule_checker_rejects_a_quantize_without_its_dequantize(quantized):
+    model = _qdq_graph(quantized)
+    q = next(n for n in model.graph.node if n.op_type == "QuantizeLinear")
+    dq = next(n for n in model.graph.node if n.op_type == "DequantizeLinear" and n.input[0] == q.output[0])
+    model.graph.node.append(helper.make_node("Cast", [q.output[0]], ["q_as_float"], to=TensorProto.FLOAT, name="cast_q"))
+    problems = qdq_violations(model)
+    assert problems == [f"{q.name}: QuantizeLinear output {q.output[0]!r} does not feed only DequantizeLinear; TensorRT needs Q/DQ pairs"]
+    assert dq is not None
+
+
+# -- accuracy ------------------------------------------------------------------------------------------
+
+
+def test_weight_only_graphs_equal_the_hf_model_with_reference_quantized_weights(quantized, model_dir):
+    """int8-wo and int4-rtn compute exactly the HF model whose Linear weights were quantized by the reference."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    ids = random_ids(16, seed=5)
+    for mode, ref in (("int8-wo", ref_int8), ("int4-rtn", lambda w: ref_int4(w, 32))):
+        hf = AutoModelForCausalLM.from_pretrained(model_dir("llama")).eval()
+        with torch.no_grad():
+            for name, module in hf.named_modules():
+                if isinstance(module, torch.nn.Linear) and name != "lm_head":
+                    module.weight.copy_(torch.from_numpy(ref(module.weight.numpy().T).T))
+            if hf.config.tie_word_embeddings:  # keep lm_head (tied to the embedding) in float32
+                assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
+        np.testing.assert_allclose(step_logits(quantized("llama", mode), ids), hf_logits(hf, ids), atol=2e-4, rtol=1e-4)
+
+
+# Bounds on the tiny random model (weights x4, so no outlier structure for calibration to exploit):
+# max |logit error| / max |logit| of the onnxruntime engine vs float32.
+BOUNDS = {"int8-wo": 0.05, "int8-sq": 0.1, "fp8": 0.25, "int4-rtn": 0.4, "int4-awq": 0.4}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_quantized_logits_are_close_to_float32(quantized, exported, mode):
+    ids = random_ids(20, seed=6)
+    reference = step_logits(exported("llama"), ids)
+    for fuse in (False, True):  # the Q/DQ graph as written, and the engine with onnxruntime's kernels
+        got = step_logits(quantized("llama", mode), ids, fuse_qdq=fuse)
+        assert np.abs(got - reference).max() / np.abs(reference).max() < BOUNDS[mode]
+        assert (got.argmax(-1) == reference.argmax(-1)).mean() >= 0.5
+
+
+def test_onnxruntime_engine_runs_int4_in_matmul_nbits_and_stays_close_to_the_qdq_graph(quantized):
+    out = quantized("llama", "int4-rtn")
+    fused = build(out, out.parent / "fused")
+    kernels = json.loads((fused / "manifest.json").read_text())["build"]["kernels"]
+    assert kernels == {"MatMulNBits": 14}
+    unfused = build(out, out.parent / "unfused", fuse_qdq=False)
+    # unfused, onnxruntime dequantizes the constant weights once, when it optimises the graph
+    assert json.loads((unfused / "manifest.json").read_text())["build"]["kernels"] == {}
+    ids = np.asarray(random_ids(12, seed=7))
+    a = load_engine(fused).forward(ids[None], np.arange(12)[None])[0]
+    b = load_engine(unfused).forward(ids[None], np.arange(12)[None])[0]
+    # MatMulNBits with accuracy_level 4 also rounds the activations to int8 per block
+    assert np.abs(a - b).max() / np.abs(b).max() < 0.05
+
+
+def test_speculative_greedy_with_an_int4_draft_equals_target_greedy(exported, quantized):
+    prompts = ["def add(a, b):", "The quick brown fox"]
+    target = Generator(exported("llama"))
+    spec = Generator(exported("llama"), quantized("llama", "int4-rtn"), num_draft_tokens=3)
+    expected = [r.token_ids for r in target.generate(prompts, max_new_tokens=24)]
+    out = spec.generate(prompts, max_new_tokens=24)
+    assert [r.token_ids for r in out] == expected
+    assert out.stats.accepted > 0
+
+
+def test_lm_head_is_quantized_only_when_asked(quantized):
+    def report(arch, **options):
+        return json.loads((quantized(arch, "int8-wo", **options) / "quantization_report.json").read_text())
+
+    untied = "llama-gqa-rope3"
+    assert report(untied)["summary"]["quantized"] == 14
+    assert report(untied)["entries"][-1]["detail"].startswith("lm_head stays in high precision (pass --quantize-lm-head")
+    assert report(untied, quantize_lm_head=True)["summary"] == {**report(untied)["summary"], "quantized": 15, "skipped": 0,
+                                                                 "matmul_weight_bytes_after": pytest.approx(0, abs=1e6)}
+    assert json.loads((quantized(untied, "int8-wo", quantize_lm_head=True) / "manifest.json").read_text())["quantization"]["lm_head"]
+    tied = report("llama", quantize_lm_head=True)["entries"][-1]
+    assert tied["action"] == "skipped" and "tied to the embedding" in tied["detail"]
+
+
+# -- artifacts and bad input ---------------------------------------------------------------------------
+
+
+def test_calibrated_quantization_is_deterministic_and_hashes_its_data(exported, tmp_path):
+    a = quantize(exported("llama"), tmp_path / "a", mode="int8-sq", calib_samples=4)
+    b = quantize(exported("llama"), tmp_path / "b", mode="int8-sq", calib_samples=4)
+    assert (a / "model.onnx").read_bytes() == (b / "model.onnx").read_bytes()
+    text = tmp_path / "calib.txt"
+    text.write_text("import os\n" * 50)
+    c = quantize(exported("llama"), tmp_path / "c", mode="int8-sq", calib_file=text, calib_samples=4)
+    calib = [json.loads((p / "manifest.json").read_text())["quantization"]["calibration"] for p in (a, b, c)]
+    assert calib[0] == calib[1] and calib[0]["tokens_sha256"] != calib[2]["tokens_sha256"]
+    assert calib[2]["file"] == str(text.resolve()) and calib[2]["samples"] == 4
+
+
+def test_block_size_that_does_not_divide_k_skips_the_matmul_with_a_reason(quantized):
+    out = quantized("llama", "int4-rtn", block_size=128)  # hidden 64: only down_proj (K=128) divides
+    entries = json.loads((out / "quantization_report.json").read_text())["entries"]
+    quantized_names = [e["name"] for e in entries if e["action"] == "quantized"]
+    assert quantized_names == ["layers.0.mlp.down_proj", "layers.1.mlp.down_proj"]
+    q_proj = next(e for e in entries if e["name"] == "layers.0.self_attn.q_proj")
+    assert q_proj["detail"] == "block size 128 does not divide K=64; left in high precision"
+
+
+def test_quantizing_a_quantized_artifact_is_refused(quantized, tmp_path):
+    with pytest.raises(ArtifactError, match=r"already quantized \(int8-wo\); quantize the unquantized export"):
+        quantize(quantized("llama", "int8-wo"), tmp_path / "again", mode="int4-rtn")
+    assert not (tmp_path / "again").exists()
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"mode": "int3"}, "unknown quantization mode 'int3'; choose one of int8-wo, int8-sq, fp8, int4-rtn, int4-awq"),
+    ({"mode": "int4-rtn", "block_size": 48}, "block size 48 is not supported; choose one of 32, 64, 128"),
+    ({"mode": "int8-wo", "block_size": 32}, "--block-size applies only to the int4 modes, not int8-wo"),
+    ({"mode": "int4-rtn", "calib_samples": 4}, "int4-rtn does not calibrate"),
+    ({"mode": "fp8", "calib_samples": 0}, "calib_samples must be at least 1"),
+])
+def test_invalid_options_are_refused(exported, tmp_path, options, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        quantize(exported("llama"), tmp_path / "out", **options)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("content,name", [("", "empty.txt"), ("   \n\n", "blank.txt"), ("[]", "empty.json"), ('{"texts": []}', "none.json")])
+def test_empty_calibration_file_is_refused(exported, tmp_path, content, name):
+    path = tmp_path / name
+    path.write_text(content)
+    with pytest.raises(CalibrationError, match="has no text; give it at least one non-empty prompt"):
+        quantize(exported("llama"), tmp_path / "out", mode="int4-awq", calib_file=path)
+    assert not (tmp_path / "out").exists()
+
+
+def test_engine_directory_and_missing_calibration_file_are_refused(exported, tmp_path):
+    engine = build(exported("llama"), tmp_path / "engine")
+    with pytest.raises(ArtifactError, match="is a built engine, not an export"):
+        quantize(engine, tmp_path / "out", mode="int8-wo")
+    with pytest.raises(CalibrationError, match="does not exist"):
+        quantize(exported("llama"), tmp_path / "out", mode="fp8", calib_file=tmp_path / "missing.txt")
+
+
+def test_no_qdq_fusion_is_refused_for_an_unquantized_export(exported, tmp_path):
+    with pytest.raises(ValueError, match="--no-qdq-fusion applies only to quantized exports"):
+        build(exported("llama"), tmp_path / "engine", fuse_qdq=False)
+
+
+def test_cli_quantize_and_build(exported, tmp_path, capsys):
+    from trtspec.cli import main
+
+    calib = tmp_path / "calib.jsonl"
+    calib.write_text('{"text": "def f(x):\\n    return x * 2\\n"}\n"class A:\\n    pass\\n"\n')
+    out = tmp_path / "int4"
+    assert main(["quantize", str(exported("llama")), "-o", str(out), "--mode", "int4-awq", "--block-size", "32",
+                 "--calib-file", str(calib), "--calib-samples", "2"]) == 0
+    q = json.loads((out / "manifest.json").read_text())["quantization"]
+    assert (q["mode"], q["block_size"], q["calibration"]["samples"]) == ("int4-awq", 32, 2)
+    assert main(["build", str(out), "-o", str(tmp_path / "engine"), "--no-qdq-fusion"]) == 0
+    assert json.loads((tmp_path / "engine" / "manifest.json").read_text())["build"]["fuse_qdq"] is False
+    assert main(["quantize", str(out), "-o", str(tmp_path / "twice"), "--mode", "int8-wo"]) == 2
+    assert "is already quantized (int4-awq)" in capsys.readouterr().err

@@ -1,0 +1,117 @@
+"""The arithmetic of every quantization mode, in numpy, independent of any graph.
+
+Weights are [K, N] (the MatMul's right operand: K inputs, N outputs).
+Everything is symmetric (zero point 0), as TensorRT's explicit quantization requires.
+Scales are computed in float32 and rounded to the model's dtype *before* the
+values are quantized with them, so the graph's DequantizeLinear reproduces
+exactly what was computed here.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+INT8_MAX = 127.0
+INT4_MIN, INT4_MAX = -8.0, 7.0
+FP8_MAX = 448.0  # largest finite float8 E4M3FN
+
+
+def _scale(amax: np.ndarray, qmax: float, dtype) -> np.ndarray:
+    """amax / qmax in ``dtype``; a channel that is all zeros gets scale 1 (any scale represents zeros)."""
+    scale = (np.asarray(amax, np.float32) / np.float32(qmax)).astype(dtype)
+    return np.where(scale > 0, scale, np.ones_like(scale)).astype(dtype)
+
+
+def int8_per_channel(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """w [K, N] -> q int8 [K, N], scale [N] (one per output channel)."""
+    scale = _scale(np.abs(w).max(axis=0), INT8_MAX, w.dtype)
+    q = np.clip(np.rint(w.astype(np.float32) / scale.astype(np.float32)), -INT8_MAX, INT8_MAX)
+    return q.astype(np.int8), scale
+
+
+def fp8_per_channel(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """w [K, N] -> q float8_e4m3fn [K, N], scale [N]; round to nearest even, saturating at 448."""
+    scale = _scale(np.abs(w).max(axis=0), FP8_MAX, w.dtype)
+    x = np.clip(w.astype(np.float32) / scale.astype(np.float32), -FP8_MAX, FP8_MAX)
+    return x.astype(ml_dtypes.float8_e4m3fn), scale
+
+
+def int4_blocked(w: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """w [K, N] -> q int4 [K, N], scale [K / block_size, N] (blocks of block_size along K)."""
+    k, n = w.shape
+    if k % block_size:
+        raise ValueError(f"block size {block_size} does not divide K={k}")
+    blocks = w.astype(np.float32).reshape(k // block_size, block_size, n)
+    scale = _scale(np.abs(blocks).max(axis=1), INT4_MAX, w.dtype)
+    q = np.clip(np.rint(blocks / scale.astype(np.float32)[:, None, :]), INT4_MIN, INT4_MAX)
+    return q.reshape(k, n).astype(ml_dtypes.int4), scale
+
+
+def dequantize(q: np.ndarray, scale: np.ndarray, block_size: int = 0) -> np.ndarray:
+    """The float32 weight a DequantizeLinear of (q, scale) produces: per channel ([N]) or blocked ([K/B, N])."""
+    scale = scale.astype(np.float32)
+    if block_size:
+        scale = np.repeat(scale, block_size, axis=0)
+    return q.astype(np.float32) * scale
+
+
+def fake_quantize(w: np.ndarray, fmt: str, block_size: int = 0) -> np.ndarray:
+    """Quantize then dequantize w [K, N] in ``fmt`` ("int8", "fp8", "int4"): what the graph computes with."""
+    if fmt == "int8":
+        return dequantize(*int8_per_channel(w))
+    if fmt == "fp8":
+        return dequantize(*fp8_per_channel(w))
+    if fmt == "int4":
+        return dequantize(*int4_blocked(w, block_size), block_size)
+    raise ValueError(f"unknown format {fmt!r}")
+
+
+def activation_scale(amax: float, fmt: str, dtype) -> np.ndarray:
+    """The per-tensor scale (a scalar of ``dtype``) of an activation whose calibrated |max| is amax."""
+    return _scale(np.float32(amax), INT8_MAX if fmt == "int8" else FP8_MAX, dtype)
+
+
+def smoothquant_factors(act_absmax: np.ndarray, weights: list[np.ndarray], alpha: float) -> np.ndarray:
+    """SmoothQuant's per-input-channel factors s [K]: s_j = max|X_j|^alpha / max|W_j,:|^(1 - alpha).
+
+    The activation is divided by s and each weight's rows multiplied by s, which
+    moves activation outliers into the weights (Xiao et al. 2023). ``weights``
+    are every MatMul reading the activation, so they share one s.
+    """
+    w_absmax = np.max([np.abs(w.astype(np.float32)).max(axis=1) for w in weights], axis=0)
+    a = np.asarray(act_absmax, np.float32)
+    s = np.power(np.maximum(a, 1e-5), alpha) / np.power(np.maximum(w_absmax, 1e-5), 1.0 - alpha)
+    return np.where((a > 0) & (w_absmax > 0), s, 1.0).astype(np.float32)
+
+
+def awq_search(x: np.ndarray, mean_abs: np.ndarray, weights: list[np.ndarray], block_size: int,
+               grid: int = 20) -> tuple[np.ndarray, float, float, float]:
+    """AWQ's per-input-channel scale search (Lin et al. 2024) for int4 weights blocked along K.
+
+    x [R, K] calibration activations; mean_abs [K] their mean |x| per channel; weights
+    every [K, N] MatMul reading x (one shared s). For alpha on a grid in [0, 1):
+    s = mean_abs^alpha (normalised), loss = sum ||x W - (x / s) Q(s W)||^2; the best s wins.
+    alpha = 0 is plain round-to-nearest, so the result is never worse than RTN on x.
+    Returns (s [K], best alpha, loss at best alpha, loss of RTN).
+    """
+    x = x.astype(np.float32)
+    ref = [x @ w.astype(np.float32) for w in weights]
+    base = np.maximum(np.asarray(mean_abs, np.float32), np.float32(1e-6) * max(float(np.max(mean_abs)), 1e-12))
+    best = (np.ones_like(base), 0.0, np.inf)
+    rtn_loss = np.inf
+    for i in range(grid):
+        alpha = i / grid
+        s = np.power(base, alpha)
+        s = s / np.sqrt(s.max() * s.min())
+        xs = x / s
+        loss = 0.0
+        for w, r in zip(weights, ref):
+            wq = fake_quantize((w.astype(np.float32) * s[:, None]).astype(w.dtype), "int4", block_size)
+            loss += float(np.square(xs @ wq - r).sum())
+        if i == 0:
+            rtn_loss = loss
+        if loss < best[2]:
+            best = (s.astype(np.float32), alpha, loss)
+    return best[0], best[1], best[2], rtn_loss
+

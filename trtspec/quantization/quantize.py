@@ -1,0 +1,188 @@
+"""export/<name>/ -> export/<name>-<mode>/: the same step graph with Q/DQ inserted, and its report."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import ArtifactError
+from ..manifest import EXPORT_FORMAT, atomic_artifact, export_source, read_manifest, versions
+from . import calibrate, numerics, passes
+from .report import QuantizationReport
+
+log = logging.getLogger("trtspec.quantize")
+
+MODES = {
+    # mode: (weight format, activation format or None, calibrated, how inputs are scaled)
+    "int8-wo": ("int8", None, False, None),
+    "int8-sq": ("int8", "int8", True, "smoothquant"),
+    "fp8": ("fp8", "fp8", True, None),
+    "int4-rtn": ("int4", None, False, None),
+    "int4-awq": ("int4", None, True, "awq"),
+}
+BLOCK_SIZES = (32, 64, 128)
+DEFAULT_BLOCK_SIZE = 128
+DEFAULT_CALIB_SAMPLES = 32
+CALIB_SEQ_LEN = 256
+SMOOTHQUANT_ALPHA = 0.5
+REPORT_FILE = "quantization_report.json"
+
+
+def quantize(
+    export_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    mode: str,
+    block_size: int | None = None,
+    calib_file: str | os.PathLike | None = None,
+    calib_samples: int | None = None,
+    quantize_lm_head: bool = False,
+) -> Path:
+    """Quantize an export artifact's step graph with ``mode``; returns out_dir.
+
+    Modes: int8-wo (INT8 weights per output channel), int8-sq (W8A8 with
+    SmoothQuant), fp8 (FP8 E4M3 weights and activations), int4-rtn and int4-awq
+    (INT4 weights in blocks of ``block_size`` along K). Calibrated modes
+    (int8-sq, fp8, int4-awq) run ``calib_samples`` windows of ``calib_file``
+    (default: the held-out text shipped with trtspec) through the graph.
+    """
+    export_dir, out_dir = Path(export_dir), Path(out_dir)
+    if mode not in MODES:
+        raise ValueError(f"unknown quantization mode {mode!r}; choose one of {', '.join(MODES)}")
+    w_fmt, a_fmt, calibrated, scaling = MODES[mode]
+    if w_fmt == "int4":
+        block_size = DEFAULT_BLOCK_SIZE if block_size is None else block_size
+        if block_size not in BLOCK_SIZES:
+            raise ValueError(f"block size {block_size} is not supported; choose one of {', '.join(map(str, BLOCK_SIZES))}")
+    elif block_size is not None:
+        raise ValueError(f"--block-size applies only to the int4 modes, not {mode}; drop it")
+    if not calibrated and (calib_file is not None or calib_samples is not None):
+        raise ValueError(f"{mode} does not calibrate; drop --calib-file/--calib-samples (they apply to int8-sq, fp8, int4-awq)")
+    if calib_samples is not None and calib_samples < 1:
+        raise ValueError(f"calib_samples must be at least 1 (got {calib_samples})")
+    manifest = read_manifest(export_dir)
+    if manifest["format"] != EXPORT_FORMAT:
+        raise ArtifactError(f"{export_dir} is a built engine, not an export; quantize the export/ directory it was built from")
+    if "quantization" in manifest:
+        raise ArtifactError(
+            f"{export_dir} is already quantized ({manifest['quantization']['mode']}); quantize the unquantized export "
+            f"it came from ({manifest['quantization']['source']['export_dir']})"
+        )
+    if out_dir.resolve() == export_dir.resolve():
+        raise ValueError("the output directory is the export itself; write the quantized artifact elsewhere (-o)")
+
+    import onnx_ir as ir
+
+    t0 = time.perf_counter()
+    graph_path = export_dir / manifest["graph"]
+    model = ir.load(graph_path)
+    if any(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in model.graph):
+        raise ArtifactError(f"{graph_path} already has QuantizeLinear/DequantizeLinear nodes; quantize an unquantized export")
+    report = QuantizationReport(mode)
+    linears = passes.find_linears(model, report, include_lm_head=quantize_lm_head)
+    if not linears:
+        raise ArtifactError(f"{graph_path} has no MatMul with a constant weight to quantize")
+    groups = passes.group_by_activation(linears)
+
+    calibration, stats = None, {}
+    if calibrated:
+        from transformers import AutoTokenizer
+
+        texts, calibration = calibrate.load_texts(calib_file)
+        tokenizer = AutoTokenizer.from_pretrained(export_dir / manifest["tokenizer"])
+        seq_len = min(CALIB_SEQ_LEN, manifest["model"]["max_seq_len"])
+        windows = calibrate.token_windows(texts, tokenizer, calib_samples or DEFAULT_CALIB_SAMPLES, seq_len)
+        calibration.update(samples=len(windows), tokens=int(sum(map(len, windows))), seq_len=seq_len,
+                           tokens_sha256=calibrate.windows_sha256(windows))
+        log.info("calibrating %s on %d windows of up to %d tokens", mode, len(windows), seq_len)
+        stats = calibrate.collect(graph_path, manifest["model"], [g[0].activation.name for g in groups], windows)
+
+    amax = {}
+    for group in groups:
+        x = group[0].activation.name
+        s = None
+        if scaling == "smoothquant":
+            s = numerics.smoothquant_factors(stats[x].absmax, [lin.weight_array() for lin in group], SMOOTHQUANT_ALPHA)
+            passes.scale_inputs(model, group, s, report, f"SmoothQuant (alpha {SMOOTHQUANT_ALPHA})")
+        elif scaling == "awq":
+            s = _awq(model, group, stats[x], block_size, report)
+        if a_fmt is not None:
+            amax[id(group[0].node)] = float(np.max(stats[x].absmax / (s if s is not None else 1.0)))
+    passes.quantize_weights(model, linears, w_fmt, report, block_size or 0)
+    for group in groups:
+        if a_fmt is not None:
+            passes.quantize_activations(model, group, amax[id(group[0].node)], a_fmt, report)
+    if not report.quantized():
+        raise ArtifactError(f"no MatMul could be quantized with {mode}:\n{report.format()}")
+    model.graph.sort()
+
+    quantization = {
+        "mode": mode,
+        "block_size": block_size,
+        "weights": w_fmt,
+        "activations": a_fmt,
+        "lm_head": quantize_lm_head,
+        "calibration": calibration,
+        "report": REPORT_FILE,
+        "summary": report.summary(),
+        "source": export_source(export_dir),
+    }
+    out = {**manifest, "quantization": quantization, "versions": {**manifest["versions"], **versions("onnx_ir")}}
+    out.pop("files", None)
+    with atomic_artifact(out_dir, out) as tmp:
+        _save(model, tmp / manifest["graph"], manifest["model"])
+        del model
+        out["model"] = {**manifest["model"], "weight_bytes": _initializer_bytes(tmp / manifest["graph"])}
+        (tmp / REPORT_FILE).write_text(json.dumps(report.to_dict(), indent=1) + "\n")
+        shutil.copytree(export_dir / manifest["tokenizer"], tmp / manifest["tokenizer"])
+    log.info("%s", report.format())
+    log.info("wrote %s in %.1f s", out_dir, time.perf_counter() - t0)
+    return out_dir
+
+
+def _awq(model, group, stats, block_size: int, report: QuantizationReport) -> np.ndarray | None:
+    """Search the group's AWQ scale and apply it; None when plain RTN was best."""
+    weights = [lin.weight_array() for lin in group]
+    if any(w.shape[0] % block_size for w in weights):
+        return None  # skipped by the weight pass: the report says why
+    s, alpha, loss, rtn_loss = numerics.awq_search(stats.rows, stats.mean_abs, weights, block_size)
+    for lin in group:
+        report.update(lin.name, detail=f"AWQ alpha {alpha:.2f}, calibration output error {loss / max(rtn_loss, 1e-30):.3f} of RTN's")
+    if alpha == 0.0:
+        return None
+    passes.scale_inputs(model, group, s, report, f"AWQ scale (alpha {alpha:.2f})")
+    return s
+
+
+def _save(model, path: Path, model_section: dict) -> None:
+    import onnx
+    import onnx_ir as ir
+
+    from ..exporter.contract import check_step_graph
+    from ..exporter.step_graph import EXTERNAL_DATA_BYTES
+    from .rules import qdq_violations
+
+    external = model_section["weight_bytes"] > EXTERNAL_DATA_BYTES
+    ir.save(model, path, external_data=f"{path.name}.data" if external else None)
+    onnx.checker.check_model(str(path), full_check=True)
+    proto = onnx.load(str(path), load_external_data=False)
+    check_step_graph(proto, model_section["num_layers"])
+    problems = qdq_violations(proto)
+    assert not problems, "quantization produced a graph TensorRT would refuse:\n" + "\n".join(problems)
+
+
+def _initializer_bytes(path: Path) -> int:
+    import onnx
+
+    proto = onnx.load(str(path), load_external_data=False)
+    total = 0
+    for init in proto.graph.initializer:
+        external = {e.key: e.value for e in init.external_data}
+        total += int(external["length"]) if "length" in external else len(init.raw_data)
+    return total
