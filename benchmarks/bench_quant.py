@@ -1,12 +1,14 @@
 """Quantization modes on the bundled trained pair: perplexity, sizes, decode speed, draft acceptance, in one run.
 
-    python benchmarks/bench_quant.py     # ~15 min on 2 cores; writes benchmarks/results/quant.{json,md}
+    python benchmarks/bench_quant.py     # ~12 min on 2 cores; writes benchmarks/results/quant.{json,md}
 
 Target (models/stdlib-target) exported in float32, quantized with every mode, each built twice for
 onnxruntime: with onnxruntime's quantized kernels (the default engine) and with the Q/DQ nodes run as
 written (`--no-qdq-fusion`: the artifact's exact numerics, what the accuracy targets are judged on).
 - perplexity on benchmarks/data/eval_text.json (held-out files never used for calibration), first
-  WINDOW tokens of each text, one prefill call per text;
+  WINDOW tokens of each text, one prefill call per text; and, more sensitive on this pair whose own
+  errors dwarf int4's, the mean KL divergence from the float32 graph's next-token distribution and how
+  often both pick the same top-1 token;
 - artifact size (model.onnx) and decode speed: the median cost of a decode call at position 128 and
   greedy tokens/s (target only, 64 new tokens, 8 held-out prompts, median of 3 runs);
 - the draft quantized to INT4: per-token acceptance alpha of greedy speculation (k = 4) against the
@@ -26,20 +28,36 @@ from pathlib import Path
 import numpy as np
 from common import RESULTS, ROOT, WORK
 
-MODES = [("int8-wo", None), ("int8-sq", None), ("fp8", None)] + [
-    (mode, b) for b in (32, 64, 128) for mode in ("int4-rtn", "int4-awq")]
+# row name -> quantize() options
+MODES = {"int8-wo": {"mode": "int8-wo"}, "int8-sq": {"mode": "int8-sq"}, "fp8": {"mode": "fp8"}}
+for _b in (32, 64, 128):
+    for _mode in ("int4-rtn", "int4-awq"):
+        MODES[f"{_mode}-b{_b}"] = {"mode": _mode, "block_size": _b}
+for _b in (32, 128):  # lm_head (8192 x 512, a third of the float32 bytes read per token) in INT4 too
+    MODES[f"int4-awq-b{_b}+lm_head"] = {"mode": "int4-awq", "block_size": _b, "quantize_lm_head": True}
 
 
-def perplexity(engine, windows: list[np.ndarray]) -> float:
-    nll, count = 0.0, 0
+def log_probs(engine, windows: list[np.ndarray]) -> list[np.ndarray]:
+    """Next-token log-probabilities [T, V] of each window, one prefill call each."""
+    out = []
     for ids in windows:
         engine.reset()
         logits = engine.forward(ids[None], np.arange(len(ids), dtype=np.int64)[None])[0].astype(np.float64)
         logits -= logits.max(axis=-1, keepdims=True)
-        logp = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
-        nll -= logp[np.arange(len(ids) - 1), ids[1:]].sum()
-        count += len(ids) - 1
-    return math.exp(nll / count)
+        out.append(logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True)))
+    return out
+
+
+def perplexity(logps: list[np.ndarray], windows: list[np.ndarray]) -> float:
+    nll = sum(-lp[np.arange(len(ids) - 1), ids[1:]].sum() for lp, ids in zip(logps, windows))
+    return math.exp(nll / sum(len(ids) - 1 for ids in windows))
+
+
+def fidelity(reference: list[np.ndarray], logps: list[np.ndarray]) -> tuple[float, float]:
+    """Mean KL(reference || quantized) per token, and how often both pick the same top-1 token."""
+    kl = np.concatenate([(np.exp(r) * (r - q)).sum(axis=-1) for r, q in zip(reference, logps)])
+    agree = np.concatenate([r.argmax(-1) == q.argmax(-1) for r, q in zip(reference, logps)])
+    return float(kl.mean()), float(agree.mean())
 
 
 def greedy_rate(gen, prompts, new_tokens: int, repeats: int = 3) -> tuple[float, list]:
@@ -84,31 +102,32 @@ def main():
     exports = {"float32": export(ROOT / "models" / "stdlib-target", work / "export" / "float32", max_seq_len=512, max_batch=1)}
     draft_fp = export(ROOT / "models" / "stdlib-draft", work / "export" / "draft-float32", max_seq_len=512, max_batch=1)
     report = {}
-    for mode, block in MODES:
-        name = mode if block is None else f"{mode}-b{block}"
+    for name, options in MODES.items():
         t = time.perf_counter()
-        exports[name] = quantize(exports["float32"], work / "export" / name, mode=mode, block_size=block)
+        exports[name] = quantize(exports["float32"], work / "export" / name, **options)
         report[name] = {"quantize_s": time.perf_counter() - t}
         print(f"quantized {name} in {report[name]['quantize_s']:.1f} s", flush=True)
     report["float32"] = {"quantize_s": 0.0}
 
-    rows = {}
-    for name, exp in exports.items():
+    rows, reference = {}, None
+    for name, exp in exports.items():  # float32 first: the reference of the fidelity columns
         row = dict(report[name])
         manifest = json.loads((Path(exp) / "manifest.json").read_text())
         row["size_mb"] = (Path(exp) / "model.onnx").stat().st_size / 1e6
         fused = build(exp, work / "engines" / name)
         engine = load_engine(fused, num_threads=2)
         row["kernels"] = json.loads((Path(fused) / "manifest.json").read_text())["build"].get("kernels", {})
-        row["ppl_engine"] = perplexity(engine, windows)
+        row["ppl_engine"] = perplexity(log_probs(engine, windows), windows)
         if "quantization" in manifest:
             exact = build(exp, work / "engines" / f"{name}-qdq", fuse_qdq=False)
             exact_engine = load_engine(exact, num_threads=2)
-            row["ppl_qdq"] = perplexity(exact_engine, windows)
+            logps = log_probs(exact_engine, windows)
             row["decode_ms_qdq"] = measure_call_costs(exact_engine, [1])[1] * 1e3
             del exact_engine
         else:
-            row["ppl_qdq"] = row["ppl_engine"]
+            logps = reference = log_probs(engine, windows)
+        row["ppl_qdq"] = perplexity(logps, windows)
+        row["kl_qdq"], row["top1_agreement_qdq"] = fidelity(reference, logps)
         row["decode_ms"] = measure_call_costs(engine, [1])[1] * 1e3
         row["greedy_tok_s"], _ = greedy_rate(Generator(engine), prompts[:8], args.new_tokens)
         rows[name] = row
@@ -147,16 +166,16 @@ def main():
         f"Target perplexity on {len(windows)} held-out texts ({result['eval']['tokens']} tokens); decode = one call "
         "at position 128 (median); greedy = 8 prompts x 64 tokens, median of 3.",
         "",
-        "| mode | size MB | ppl (Q/DQ as written) | change | ppl (onnxruntime engine) | change | engine kernels | "
-        "decode ms | vs float32 | greedy tok/s | vs float32 | Q/DQ decode ms |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| mode | size MB | ppl (Q/DQ as written) | change | KL to float32 | top-1 = float32 | ppl (onnxruntime engine) | "
+        "change | engine kernels | decode ms | vs float32 | greedy tok/s | vs float32 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in rows.items():
         kernels = ", ".join(f"{k} {v}" for k, v in r["kernels"].items()) or "-"
-        lines.append(f"| {name} | {r['size_mb']:.1f} | {r['ppl_qdq']:.3f} | {r['ppl_qdq_change_pct']:+.2f} % | "
-                     f"{r['ppl_engine']:.3f} | {r['ppl_engine_change_pct']:+.2f} % | {kernels} | {r['decode_ms']:.2f} | "
-                     f"{r['decode_speedup']:.2f}x | {r['greedy_tok_s']:.1f} | {r['greedy_speedup']:.2f}x | "
-                     f"{r.get('decode_ms_qdq', float('nan')):.2f} |")
+        lines.append(f"| {name} | {r['size_mb']:.1f} | {r['ppl_qdq']:.3f} | {r['ppl_qdq_change_pct']:+.3f} % | "
+                     f"{r['kl_qdq']:.2e} | {r['top1_agreement_qdq']:.4f} | {r['ppl_engine']:.3f} | "
+                     f"{r['ppl_engine_change_pct']:+.3f} % | {kernels} | {r['decode_ms']:.2f} | "
+                     f"{r['decode_speedup']:.2f}x | {r['greedy_tok_s']:.1f} | {r['greedy_speedup']:.2f}x |")
     lines += ["", "Draft quantized (block 32), speculative greedy k=4 against the float32 target, 24 held-out prompts x 128 tokens:",
               "", "| draft | size MB | draft decode ms | alpha | change (points) | accepted/proposed | tokens/target call | lossless |",
               "|---|---|---|---|---|---|---|---|"]

@@ -145,6 +145,26 @@ def test_awq_search_picks_the_grid_point_with_the_least_output_error():
     assert alpha > 0 and loss < rtn_loss
 
 
+def test_awq_clip_search_picks_each_blocks_best_range():
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((48, 32)).astype(np.float32)
+    w = rng.standard_normal((32, 5)).astype(np.float32)
+    w[0, 0] = 8.0  # one outlier: clipping its block should pay
+    clip, loss, unclipped = numerics.awq_clip_search(x, w, 16)
+    ratios = [1.0 - 0.05 * i for i in range(10)]
+    for b in range(2):
+        rows = slice(16 * b, 16 * b + 16)
+        for n in range(5):
+            errors = []
+            for r in ratios:
+                col = w[rows, n]
+                s = np.float32(np.abs(col).max() * np.float32(r)) / np.float32(7)
+                q = np.array([max(-8, min(7, round(float(v / s)))) for v in col], np.float32) * s
+                errors.append(np.square(x[:, rows] @ (col - q)).sum())
+            assert clip[b, n] == pytest.approx(ratios[int(np.argmin(errors))])
+    assert clip[0, 0] < 1.0 and loss < unclipped
+
+
 # -- passes on graphs ----------------------------------------------------------------------------------
 
 
@@ -440,3 +460,14 @@ def test_cli_quantize_and_build(exported, tmp_path, capsys):
     assert json.loads((tmp_path / "engine" / "manifest.json").read_text())["build"]["fuse_qdq"] is False
     assert main(["quantize", str(out), "-o", str(tmp_path / "twice"), "--mode", "int8-wo"]) == 2
     assert "is already quantized (int4-awq)" in capsys.readouterr().err
+
+
+def test_tensorrt_build_refuses_fp8_on_gpus_without_fp8_kernels(quantized):
+    from trtspec import BackendUnavailableError
+    from trtspec.builder.tensorrt import check_precision_support
+
+    manifest = json.loads((quantized("llama", "fp8") / "manifest.json").read_text())
+    with pytest.raises(BackendUnavailableError, match=r"compute capability 8.9 or newer \(Ada, Hopper\); this GPU is 8.0"):
+        check_precision_support(manifest, "8.0")
+    check_precision_support(manifest, "9.0")
+    check_precision_support(json.loads((quantized("llama", "int4-awq") / "manifest.json").read_text()), "7.5")

@@ -172,10 +172,71 @@ def test_torch_tensorrt_backend_is_refused_when_not_importable(model_dir):
         trtspec.compile(model_dir("llama"), backend="torch_tensorrt")
 
 
-@pytest.mark.skipif(not TRT_IMPORTABLE, reason="torch_tensorrt is not importable (needs TensorRT and an NVIDIA GPU)")
-def test_torch_tensorrt_refuses_the_cache_write_until_its_converter_exists(model_dir):
-    with pytest.raises(NotImplementedError, match="IKVCacheUpdateLayer"):
-        trtspec.compile(model_dir("llama"), backend="torch_tensorrt")
+@pytest.mark.skipif(not (TRT_IMPORTABLE and torch.cuda.is_available()),
+                    reason="torch_tensorrt is not importable or no CUDA GPU (needs TensorRT and an NVIDIA GPU)")
+def test_torch_tensorrt_engine_logits_match_hf(model_dir, hf_model):
+    engine = trtspec.compile(model_dir("llama"), max_seq_len=S_MAX, max_batch=MAX_BATCH, backend="torch_tensorrt", device="cuda")
+    ids = random_ids(12, seed=1)
+    ref = hf_logits(hf_model(model_dir("llama")), ids)
+    prefill = engine.forward(ids[None, :8], np.arange(8)[None])
+    verify = engine.forward(ids[None, 8:12], np.arange(8, 12)[None])
+    np.testing.assert_allclose(np.concatenate([prefill[0], verify[0]]), ref, atol=1e-3, rtol=0)
+
+
+def _functional_engine(model_dir):
+    """The engine layout trtspec.compile builds for torch_tensorrt (caches in and out), run by eager PyTorch."""
+    from trtspec.torch_backend.engine import TorchEngine
+    from trtspec.torch_backend.source import load_source
+
+    source = load_source(model_dir("llama"), max_seq_len=S_MAX, max_batch=MAX_BATCH, dtype=None)
+    return TorchEngine(source, compile_backend="eager", device="cpu", functional_cache=True)
+
+
+def test_functional_cache_engine_matches_hf_and_writes_only_its_own_buffers(model_dir, hf_model):
+    engine = _functional_engine(model_dir)
+    addresses = [c.data_ptr() for c in engine.caches]
+    ids = random_ids(12, seed=1)
+    ref = hf_logits(hf_model(model_dir("llama")), ids)
+    prefill = engine.forward(ids[None, :7], np.arange(7)[None])
+    decode = engine.forward(ids[None, 7:8], np.array([[7]]))
+    chunk = engine.forward(ids[None, 8:12], np.arange(8, 12)[None])
+    np.testing.assert_allclose(np.concatenate([prefill[0], decode[0], chunk[0]]), ref, atol=TOL, rtol=0)
+    assert [c.data_ptr() for c in engine.caches] == addresses
+    before = [c.clone() for c in engine.caches]
+    engine.forward(random_ids(6, seed=5).reshape(2, 3), np.array([[12, 13, 14], [2, 3, 4]]))  # ragged verify
+    expected = torch.zeros(MAX_BATCH, S_MAX, dtype=torch.bool)
+    expected[0, 12:15] = expected[1, 2:5] = True
+    for cache, old in zip(engine.caches, before):
+        assert torch.equal((cache != old).any(dim=3).any(dim=1), expected)
+
+
+def test_tensorrt_converter_adds_a_linear_in_place_kv_cache_update():
+    from trtspec.torch_backend.tensorrt_converter import add_kv_cache_update
+
+    class Layer:
+        name = None
+
+        def get_output(self, index):
+            return f"output {index}"
+
+    class Network:
+        def __init__(self, layer):
+            self.layer, self.calls = layer, []
+
+        def add_kv_cache_update(self, *args):
+            self.calls.append(args)
+            return self.layer
+
+    class StandInTensorRT:  # a stand-in for the tensorrt module: only what the converter touches
+        class KVCacheMode:
+            LINEAR = "LINEAR"
+
+    network = Network(Layer())
+    out = add_kv_cache_update(network, StandInTensorRT, "cache", "update", "write_indices", "layers.0.key")
+    assert network.calls == [("cache", "update", "write_indices", "LINEAR")]
+    assert (out, network.layer.name) == ("output 0", "layers.0.key")
+    with pytest.raises(RuntimeError, match="refused the KV cache update 'layers.1.value': it needs TensorRT >= 10.15"):
+        add_kv_cache_update(Network(None), StandInTensorRT, "c", "u", "w", "layers.1.value")
 
 
 @pytest.mark.skipif(TRT_IMPORTABLE, reason="torch_tensorrt is importable here: the backend would not fall back")

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from ..engines.tensorrt_compat import compute_capability, import_tensorrt
-from ..errors import ArtifactError
+from ..errors import ArtifactError, BackendUnavailableError
 from ..manifest import ENGINE_FORMAT, atomic_artifact, export_source, versions
 from .tensorrt_check import check_export, format_report
 from .tensorrt_plan import DEFAULT_VERIFY_TOKENS, profile_plan
@@ -107,6 +107,7 @@ def build_tensorrt(
         raise ArtifactError(format_report(export_dir, problems) + "\nfix the export (see `trtspec check`) before building for TensorRT")
     trt = import_tensorrt()
     capability = compute_capability()
+    check_precision_support(export_manifest, capability)
     t0 = time.perf_counter()
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
@@ -132,6 +133,25 @@ def build_tensorrt(
         shutil.copytree(export_dir / export_manifest["tokenizer"], tmp / export_manifest["tokenizer"])
     log.info("wrote %s in %.1f s", out_dir, time.perf_counter() - t0)
     return out_dir
+
+
+# Quantized types and the GPUs whose tensor cores run them (TensorRT's support matrix): FP8 E4M3
+# needs Ada (8.9) or Hopper (9.0) and later.
+MIN_CAPABILITY = {"fp8": (8, 9)}
+
+
+def check_precision_support(export_manifest: dict, capability: str) -> None:
+    """Refuse to build a quantized export for a GPU that has no kernels for its types."""
+    quantization = export_manifest.get("quantization") or {}
+    have = tuple(int(v) for v in capability.split("."))
+    for fmt in {quantization.get("weights"), quantization.get("activations")} - {None}:
+        need = MIN_CAPABILITY.get(fmt)
+        if need is not None and have < need:
+            raise BackendUnavailableError(
+                f"this export is quantized to {fmt} ({quantization['mode']}), which TensorRT runs only on GPUs of "
+                f"compute capability {need[0]}.{need[1]} or newer (Ada, Hopper); this GPU is {capability}. "
+                "Quantize with int8-sq or int4-awq instead"
+            )
 
 
 def _engine_manifest(export_dir, export_manifest, plan, trt_version, capability, workspace_mib, cache_path) -> dict:

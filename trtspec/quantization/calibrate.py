@@ -107,7 +107,7 @@ def windows_sha256(windows: list[np.ndarray]) -> str:
 
 
 def collect(graph_path: Path, model: dict, value_names: list[str], windows: list[np.ndarray],
-            max_rows: int = 512) -> dict[str, ActivationStats]:
+            max_rows: int = 2048) -> dict[str, ActivationStats]:
     """Run every window through the graph and return statistics of the named values (MatMul inputs)."""
     import onnx_ir as ir
     import onnxruntime as ort

@@ -37,13 +37,18 @@ def fp8_per_channel(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return x.astype(ml_dtypes.float8_e4m3fn), scale
 
 
-def int4_blocked(w: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """w [K, N] -> q int4 [K, N], scale [K / block_size, N] (blocks of block_size along K)."""
+def int4_blocked(w: np.ndarray, block_size: int, clip: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """w [K, N] -> q int4 [K, N], scale [K / block_size, N] (blocks of block_size along K).
+
+    ``clip`` [K / block_size, N] in (0, 1] shrinks each block's range (AWQ's clipping): values beyond
+    clip * max|block| saturate, the rest get a finer grid.
+    """
     k, n = w.shape
     if k % block_size:
         raise ValueError(f"block size {block_size} does not divide K={k}")
     blocks = w.astype(np.float32).reshape(k // block_size, block_size, n)
-    scale = _scale(np.abs(blocks).max(axis=1), INT4_MAX, w.dtype)
+    amax = np.abs(blocks).max(axis=1)
+    scale = _scale(amax if clip is None else amax * clip, INT4_MAX, w.dtype)
     q = np.clip(np.rint(blocks / scale.astype(np.float32)[:, None, :]), INT4_MIN, INT4_MAX)
     return q.reshape(k, n).astype(ml_dtypes.int4), scale
 
@@ -56,14 +61,14 @@ def dequantize(q: np.ndarray, scale: np.ndarray, block_size: int = 0) -> np.ndar
     return q.astype(np.float32) * scale
 
 
-def fake_quantize(w: np.ndarray, fmt: str, block_size: int = 0) -> np.ndarray:
+def fake_quantize(w: np.ndarray, fmt: str, block_size: int = 0, clip: np.ndarray | None = None) -> np.ndarray:
     """Quantize then dequantize w [K, N] in ``fmt`` ("int8", "fp8", "int4"): what the graph computes with."""
     if fmt == "int8":
         return dequantize(*int8_per_channel(w))
     if fmt == "fp8":
         return dequantize(*fp8_per_channel(w))
     if fmt == "int4":
-        return dequantize(*int4_blocked(w, block_size), block_size)
+        return dequantize(*int4_blocked(w, block_size, clip), block_size)
     raise ValueError(f"unknown format {fmt!r}")
 
 
@@ -115,3 +120,27 @@ def awq_search(x: np.ndarray, mean_abs: np.ndarray, weights: list[np.ndarray], b
             best = (s.astype(np.float32), alpha, loss)
     return best[0], best[1], best[2], rtn_loss
 
+
+
+def awq_clip_search(x: np.ndarray, w: np.ndarray, block_size: int,
+                    ratios=tuple(1.0 - 0.05 * i for i in range(10))) -> tuple[np.ndarray, float, float]:
+    """AWQ's clipping search: per block of K and output channel, the range shrink that minimises the output error.
+
+    x [R, K] calibration activations (already divided by the AWQ scale), w [K, N] (already scaled).
+    The output error separates over blocks: x W - x Q(W) = sum_b x[:, b] (W_b - Q(W_b)), and each
+    block's term over its output channels, so every (block, channel) picks its ratio on its own.
+    Returns (clip [K/B, N], loss with the clip, loss without) where loss is that sum of per-block errors.
+    """
+    x = x.astype(np.float32)
+    k, n = w.shape
+    nb = k // block_size
+    xb = x.reshape(len(x), nb, block_size)
+    errors = []
+    for r in ratios:
+        delta = (w.astype(np.float32) - fake_quantize(w, "int4", block_size, np.full((nb, n), r, np.float32)))
+        delta = delta.reshape(nb, block_size, n)
+        errors.append(np.square(np.einsum("rbk,bkn->rbn", xb, delta)).sum(axis=0))  # [nb, N]
+    errors = np.stack(errors)  # [ratios, nb, N]
+    best = errors.argmin(axis=0)
+    clip = np.asarray(ratios, np.float32)[best]
+    return clip, float(errors.min(axis=0).sum()), float(errors[0].sum())

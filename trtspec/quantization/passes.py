@@ -239,8 +239,11 @@ def _fold(x: ir.Value, inv: np.ndarray) -> str | None:
 
 
 def quantize_weights(model: ir.Model, linears: list[Linear], fmt: str, report: QuantizationReport,
-                     block_size: int = 0) -> None:
-    """W [K, N] -> DequantizeLinear(q, scale) feeding the MatMul: per output channel, or int4 blocked along K."""
+                     block_size: int = 0, clips: dict[str, np.ndarray] | None = None) -> None:
+    """W [K, N] -> DequantizeLinear(q, scale) feeding the MatMul: per output channel, or int4 blocked along K.
+
+    ``clips``: per MatMul name, int4 range ratios [K/B, N] from AWQ's clipping search.
+    """
     graph = model.graph
     q_dtype, _ = FORMATS[fmt]
     for linear in linears:
@@ -257,7 +260,7 @@ def quantize_weights(model: ir.Model, linears: list[Linear], fmt: str, report: Q
             q, scale = numerics.fp8_per_channel(w)
             attrs, layout = {"axis": 1}, "per output channel"
         else:
-            q, scale = numerics.int4_blocked(w, block_size)
+            q, scale = numerics.int4_blocked(w, block_size, (clips or {}).get(linear.name))
             attrs, layout = {"axis": 0, "block_size": block_size}, f"blocks of {block_size} along K"
         qv = _constant(graph, f"{linear.name}.weight_quantized", q.astype(q_dtype))
         sv = _constant(graph, f"{linear.name}.weight_scale", scale)

@@ -103,18 +103,19 @@ def quantize(
         log.info("calibrating %s on %d windows of up to %d tokens", mode, len(windows), seq_len)
         stats = calibrate.collect(graph_path, manifest["model"], [g[0].activation.name for g in groups], windows)
 
-    amax = {}
-    for group in groups:
+    amax, clips = {}, {}
+    for i, group in enumerate(groups):
         x = group[0].activation.name
         s = None
         if scaling == "smoothquant":
             s = numerics.smoothquant_factors(stats[x].absmax, [lin.weight_array() for lin in group], SMOOTHQUANT_ALPHA)
             passes.scale_inputs(model, group, s, report, f"SmoothQuant (alpha {SMOOTHQUANT_ALPHA})")
         elif scaling == "awq":
-            s = _awq(model, group, stats[x], block_size, report)
+            s = _awq(model, group, stats[x], block_size, report, clips)
+            log.info("AWQ search %d/%d: %s", i + 1, len(groups), ", ".join(lin.name for lin in group))
         if a_fmt is not None:
             amax[id(group[0].node)] = float(np.max(stats[x].absmax / (s if s is not None else 1.0)))
-    passes.quantize_weights(model, linears, w_fmt, report, block_size or 0)
+    passes.quantize_weights(model, linears, w_fmt, report, block_size or 0, clips)
     for group in groups:
         if a_fmt is not None:
             passes.quantize_activations(model, group, amax[id(group[0].node)], a_fmt, report)
@@ -146,18 +147,29 @@ def quantize(
     return out_dir
 
 
-def _awq(model, group, stats, block_size: int, report: QuantizationReport) -> np.ndarray | None:
-    """Search the group's AWQ scale and apply it; None when plain RTN was best."""
+def _awq(model, group, stats, block_size: int, report: QuantizationReport, clips: dict) -> np.ndarray | None:
+    """AWQ for one group: search the input scale s and apply it, then each weight's clipping (into ``clips``).
+
+    Returns s, or None when plain round-to-nearest scaling (s = 1) was best.
+    """
     weights = [lin.weight_array() for lin in group]
     if any(w.shape[0] % block_size for w in weights):
         return None  # skipped by the weight pass: the report says why
-    s, alpha, loss, rtn_loss = numerics.awq_search(stats.rows, stats.mean_abs, weights, block_size)
-    for lin in group:
-        report.update(lin.name, detail=f"AWQ alpha {alpha:.2f}, calibration output error {loss / max(rtn_loss, 1e-30):.3f} of RTN's")
-    if alpha == 0.0:
-        return None
-    passes.scale_inputs(model, group, s, report, f"AWQ scale (alpha {alpha:.2f})")
-    return s
+    s, alpha, _, rtn_loss = numerics.awq_search(stats.rows, stats.mean_abs, weights, block_size)
+    if alpha > 0.0:
+        passes.scale_inputs(model, group, s, report, f"AWQ scale (alpha {alpha:.2f})")
+    x = stats.rows / s if alpha > 0.0 else stats.rows
+    loss = 0.0
+    for lin, w in zip(group, weights):
+        scaled = lin.weight_array()
+        clips[lin.name], _, _ = numerics.awq_clip_search(x, scaled, block_size)
+        deq = numerics.fake_quantize(scaled, "int4", block_size, clips[lin.name])
+        loss += float(np.square(x @ deq - stats.rows @ w.astype(np.float32)).sum())
+        clipped = float(np.mean(clips[lin.name] < 1.0))
+        report.update(lin.name, detail=f"AWQ alpha {alpha:.2f}, {clipped:.0%} of blocks clipped")
+    report.notes.append(f"AWQ on the input of {', '.join(lin.name for lin in group)}: calibration output error "
+                        f"{loss / max(rtn_loss, 1e-30):.3f} of round-to-nearest's")
+    return s if alpha > 0.0 else None
 
 
 def _save(model, path: Path, model_section: dict) -> None:

@@ -2,15 +2,12 @@
 
 Importing this module registers it: ``torch.compile(model, backend="trtspec")``.
 
-Torch-TensorRT lowers a slice/index_copy cache write to TensorRT's KV cache
-update layer only for one token at batch 1 (DESIGN.md §3); the multi-token,
-per-row write of ``trtspec::kv_cache_write_`` needs a converter of our own to
-``IKVCacheUpdateLayer``. That converter is not written: the documented pieces
-found (the layer's inputs cache/update/writeIndices and its aliased output;
-``dynamo_tensorrt_converter``) leave open how torch_tensorrt hands a mutated
-module buffer to a network input that must alias its output, and nothing here
-can run TensorRT to settle it. So a graph that writes the cache is refused on
-the TensorRT path instead of being compiled wrongly.
+On the TensorRT side the cache write must be the functional
+``trtspec::kv_cache_write`` (cache in, cache out), which our converter maps to
+TensorRT's in-place KV cache update layer (tensorrt_converter.py). A graph with
+the mutating ``trtspec::kv_cache_write_`` (a module buffer written in place, the
+inductor path) is refused there: a TensorRT network cannot mutate a torch buffer.
+``trtspec.compile(..., backend="torch_tensorrt")`` builds the functional form.
 """
 
 from __future__ import annotations
@@ -24,10 +21,10 @@ from ..errors import BackendUnavailableError
 
 log = logging.getLogger("trtspec.torch")
 
-CONVERTER_MISSING = (
-    "torch_tensorrt cannot compile the KV cache write yet: the converter from trtspec::kv_cache_write_ to "
-    "TensorRT's IKVCacheUpdateLayer is not written (see trtspec/torch_backend/dynamo_backend.py). "
-    "Use backend='inductor', or build a TensorRT engine from the ONNX export with `trtspec build --backend tensorrt`"
+MUTATING_WRITE_ON_TENSORRT = (
+    "this graph writes a torch buffer in place (trtspec::kv_cache_write_), which a TensorRT network cannot do; "
+    "pass the cache in and out with the functional trtspec::kv_cache_write, as "
+    "trtspec.compile(..., backend='torch_tensorrt') does, or compile with backend='inductor'"
 )
 
 
@@ -39,14 +36,16 @@ def torch_tensorrt_importable() -> bool:
     return True
 
 
-def refuse_kv_cache_write_on_tensorrt():
-    """Raise the error that says why the torch engine cannot use torch_tensorrt here."""
+def require_torch_tensorrt() -> None:
+    """Register our converter with torch_tensorrt, or say why the backend cannot be used here."""
     if not torch_tensorrt_importable():
         raise BackendUnavailableError(
             "backend 'torch_tensorrt' needs the torch_tensorrt package and TensorRT, which are not importable here; "
             "use backend='inductor'"
         )
-    raise NotImplementedError(CONVERTER_MISSING)
+    from . import tensorrt_converter
+
+    tensorrt_converter.register()
 
 
 def _writes_kv_cache(gm: torch.fx.GraphModule) -> bool:
@@ -58,7 +57,8 @@ def _writes_kv_cache(gm: torch.fx.GraphModule) -> bool:
 def trtspec_backend(gm: torch.fx.GraphModule, example_inputs):
     if torch_tensorrt_importable():
         if _writes_kv_cache(gm):
-            raise NotImplementedError(CONVERTER_MISSING)
+            raise NotImplementedError(MUTATING_WRITE_ON_TENSORRT)
+        require_torch_tensorrt()
         log.info("trtspec backend: compiling a graph of %d nodes with torch_tensorrt", len(gm.graph.nodes))
         return lookup_backend("torch_tensorrt")(gm, example_inputs)
     log.info("trtspec backend: torch_tensorrt is not importable; compiling a graph of %d nodes with inductor",

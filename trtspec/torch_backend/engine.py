@@ -31,7 +31,7 @@ class TorchEngine:
 
     backend = "torch"
 
-    def __init__(self, source, *, compile_backend: str, device: str):
+    def __init__(self, source, *, compile_backend: str, device: str, functional_cache: bool = False):
         import torch
 
         from ..exporter.step_model import StepModel
@@ -47,9 +47,15 @@ class TorchEngine:
         self.device = torch.device(device)
         # built on the CPU (its RoPE table comes from the HF rotary module there), then moved
         hf = source.hf_model.requires_grad_(False)
-        step = StepModel(hf, source.spec, self.max_seq_len, in_place_cache=True).eval().to(self.device)
+        step = StepModel(hf, source.spec, self.max_seq_len, in_place_cache=not functional_cache).eval().to(self.device)
         self.module = CachedStep(step, self.max_batch, getattr(torch, model["dtype"]), self.device)
-        self._general, self._graphed = _compile(self.module, compile_backend, self.device.type)
+        if functional_cache:
+            # TensorRT: the compiled graph takes the caches and returns them (the converter makes the
+            # write in place inside TensorRT); whatever comes back not aliased is copied into our buffers.
+            compiled = torch.compile(step, backend=compile_backend, fullgraph=True, dynamic=True)
+            self._general = self._graphed = _functional_call(compiled, self.module)
+        else:
+            self._general, self._graphed = _compile(self.module, compile_backend, self.device.type)
 
     @property
     def caches(self):
@@ -79,15 +85,28 @@ class TorchEngine:
             cache.zero_()
 
 
+def _functional_call(compiled_step, module):
+    """(input_ids, position_ids) -> logits over a step that returns its caches; keeps module's buffers current."""
+
+    def call(input_ids, position_ids):
+        b = input_ids.shape[0]
+        rows = [c[:b] for c in module.caches()]
+        logits, *presents = compiled_step(input_ids, position_ids, *rows)
+        for row, present in zip(rows, presents):
+            if present.data_ptr() != row.data_ptr():
+                row.copy_(present)
+        return logits
+
+    return call
+
+
 def _compile(module, backend: str, device: str):
     """(general, graphed) callables, dynamic shapes; on CUDA with inductor, short calls replay CUDA graphs."""
     import torch
 
-    from . import dynamo_backend  # registers the "trtspec" torch.compile backend
+    from . import dynamo_backend  # noqa: F401  (registers the "trtspec" torch.compile backend)
     from .cached_step import own_forward
 
-    if backend == "torch_tensorrt":
-        dynamo_backend.refuse_kv_cache_write_on_tensorrt()
     general = torch.compile(own_forward(module), backend=backend, fullgraph=True, dynamic=True)
     if device == "cuda" and backend == "inductor":
         # cudagraph trees record one graph per concrete (B, T): few for decode and verify, many for prefill
@@ -121,8 +140,12 @@ def compile(
         raise ValueError(f"unknown device {device!r}; choose one of {', '.join(DEVICES)}")
     if device == "cuda" and not torch.cuda.is_available():
         raise BackendUnavailableError("device 'cuda' was asked for but torch sees no CUDA GPU; use device='cpu'")
+    if backend == "torch_tensorrt":
+        from .dynamo_backend import require_torch_tensorrt
+
+        require_torch_tensorrt()
     source = load_source(Path(model_dir_or_export_dir), max_seq_len=max_seq_len, max_batch=max_batch, dtype=dtype)
-    engine = TorchEngine(source, compile_backend=backend, device=device)
+    engine = TorchEngine(source, compile_backend=backend, device=device, functional_cache=backend == "torch_tensorrt")
     log.info("torch engine for %s: backend %s on %s (compiled lazily, per shape class, on first calls)",
              model_dir_or_export_dir, backend, device)
     return engine
