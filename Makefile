@@ -31,4 +31,5 @@ test: setup
 bench: setup engines/stdlib-target/manifest.json engines/stdlib-draft/manifest.json
 	$(TRTSPEC) bench --target engines/stdlib-target --draft engines/stdlib-draft --prompts models/heldout.json
 	$(PY) benchmarks/bench_decode.py
+	$(PY) benchmarks/bench_quant.py
 	$(PY) -m pytest benchmarks -q

@@ -1,6 +1,6 @@
 """Quantization modes on the bundled trained pair: perplexity, sizes, decode speed, draft acceptance, in one run.
 
-    python benchmarks/bench_quant.py     # ~12 min on 2 cores; writes benchmarks/results/quant.{json,md}
+    python benchmarks/bench_quant.py     # ~25 min on 2 cores; writes benchmarks/results/quant.{json,md}
 
 Target (models/stdlib-target) exported in float32, quantized with every mode, each built twice for
 onnxruntime: with onnxruntime's quantized kernels (the default engine) and with the Q/DQ nodes run as
@@ -9,8 +9,9 @@ written (`--no-qdq-fusion`: the artifact's exact numerics, what the accuracy tar
   WINDOW tokens of each text, one prefill call per text; and, more sensitive on this pair whose own
   errors dwarf int4's, the mean KL divergence from the float32 graph's next-token distribution and how
   often both pick the same top-1 token;
-- artifact size (model.onnx) and decode speed: the median cost of a decode call at position 128 and
-  greedy tokens/s (target only, 64 new tokens, 8 held-out prompts, median of 3 runs);
+- artifact size (model.onnx) and decode speed: the cost of a decode call at position 128 (median of 30)
+  and greedy tokens/s (target only, 64 new tokens, 8 held-out prompts), each the median of 5 rounds
+  that visit every engine in turn;
 - the draft quantized to INT4: per-token acceptance alpha of greedy speculation (k = 4) against the
   float32 target on the 24 held-out prompts, vs the float32 draft.
 """
@@ -60,16 +61,6 @@ def fidelity(reference: list[np.ndarray], logps: list[np.ndarray]) -> tuple[floa
     return float(kl.mean()), float(agree.mean())
 
 
-def greedy_rate(gen, prompts, new_tokens: int, repeats: int = 3) -> tuple[float, list]:
-    gen.generate(prompts[0], max_new_tokens=4)
-    rates, out = [], None
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = [gen.generate(p, max_new_tokens=new_tokens).token_ids for p in prompts]
-        rates.append(sum(map(len, out)) / (time.perf_counter() - t0))
-    return statistics.median(rates), out
-
-
 def acceptance(target, draft, prompts, new_tokens: int) -> dict:
     from trtspec import Generator
 
@@ -88,6 +79,7 @@ def main():
     parser.add_argument("--window", type=int, default=256)
     parser.add_argument("--eval-texts", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved speed rounds (medians are quoted)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     work = WORK / "quant"
@@ -98,7 +90,7 @@ def main():
     texts = json.loads((ROOT / "benchmarks" / "data" / "eval_text.json").read_text())["texts"][: args.eval_texts]
     windows = [np.asarray(tokenizer(t)["input_ids"][: args.window], dtype=np.int64) for t in texts]
 
-    t0 = time.perf_counter()
+    start = time.perf_counter()
     exports = {"float32": export(ROOT / "models" / "stdlib-target", work / "export" / "float32", max_seq_len=512, max_batch=1)}
     draft_fp = export(ROOT / "models" / "stdlib-draft", work / "export" / "draft-float32", max_seq_len=512, max_batch=1)
     report = {}
@@ -122,17 +114,32 @@ def main():
             exact = build(exp, work / "engines" / f"{name}-qdq", fuse_qdq=False)
             exact_engine = load_engine(exact, num_threads=2)
             logps = log_probs(exact_engine, windows)
-            row["decode_ms_qdq"] = measure_call_costs(exact_engine, [1])[1] * 1e3
             del exact_engine
         else:
             logps = reference = log_probs(engine, windows)
         row["ppl_qdq"] = perplexity(logps, windows)
         row["kl_qdq"], row["top1_agreement_qdq"] = fidelity(reference, logps)
-        row["decode_ms"] = measure_call_costs(engine, [1])[1] * 1e3
-        row["greedy_tok_s"], _ = greedy_rate(Generator(engine), prompts[:8], args.new_tokens)
         rows[name] = row
-        print(name, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+        print(name, {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
         del engine
+
+    # Speed, interleaved: every engine once per round, so a slow spell of this shared machine hits them all.
+    engines = {name: load_engine(work / "engines" / name, num_threads=2) for name in exports}
+    generators = {name: Generator(engine) for name, engine in engines.items()}
+    for gen in generators.values():
+        gen.generate(prompts[0], max_new_tokens=4)  # warm up
+    calls, rates = {n: [] for n in engines}, {n: [] for n in engines}
+    for rnd in range(args.rounds):
+        for name, engine in engines.items():
+            calls[name].append(measure_call_costs(engine, [1])[1] * 1e3)
+            t0 = time.perf_counter()
+            out = [generators[name].generate(p, max_new_tokens=args.new_tokens).token_ids for p in prompts[:8]]
+            rates[name].append(sum(map(len, out)) / (time.perf_counter() - t0))
+        print(f"speed round {rnd + 1}/{args.rounds}", flush=True)
+    for name, row in rows.items():
+        row["decode_ms"], row["decode_ms_runs"] = statistics.median(calls[name]), calls[name]
+        row["greedy_tok_s"], row["greedy_tok_s_runs"] = statistics.median(rates[name]), rates[name]
+    del engines, generators
 
     base = rows["float32"]
     for row in rows.values():
@@ -159,12 +166,12 @@ def main():
         print("draft", name, row, flush=True)
 
     result = {"target": rows, "draft": draft_rows, "eval": {"texts": len(windows), "tokens": int(sum(map(len, windows))),
-              "window": args.window}, "minutes": (time.perf_counter() - t0) / 60}
+              "window": args.window}, "minutes": (time.perf_counter() - start) / 60}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "quant.json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [
         f"Target perplexity on {len(windows)} held-out texts ({result['eval']['tokens']} tokens); decode = one call "
-        "at position 128 (median); greedy = 8 prompts x 64 tokens, median of 3.",
+        "at position 128; greedy = 8 prompts x 64 tokens; both medians of 5 interleaved rounds.",
         "",
         "| mode | size MB | ppl (Q/DQ as written) | change | KL to float32 | top-1 = float32 | ppl (onnxruntime engine) | "
         "change | engine kernels | decode ms | vs float32 | greedy tok/s | vs float32 |",

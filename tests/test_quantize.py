@@ -471,3 +471,20 @@ def test_tensorrt_build_refuses_fp8_on_gpus_without_fp8_kernels(quantized):
         check_precision_support(manifest, "8.0")
     check_precision_support(manifest, "9.0")
     check_precision_support(json.loads((quantized("llama", "int4-awq") / "manifest.json").read_text()), "7.5")
+
+
+@pytest.mark.parametrize("mode", ["int8-sq", "int4-awq"])
+def test_float16_exports_get_float16_scales_and_pass_the_rules(exported, tmp_path, mode):
+    """The TensorRT path is float16: scales and inserted constants follow the graph's dtype."""
+    src = exported("llama", dtype="float16")
+    out = quantize(src, tmp_path / mode, mode=mode, calib_samples=4, **({"block_size": 32} if mode == "int4-awq" else {}))
+    model = onnx.load(str(out / "model.onnx"))
+    assert qdq_violations(model) == [] and check_export(out) == []
+    inits = {i.name: i for i in model.graph.initializer}
+    scales = [inits[n.input[1]] for n in model.graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear")]
+    assert scales and all(s.data_type == TensorProto.FLOAT16 for s in scales)
+    before, after = weights_of(src), weights_of(out)
+    if mode == "int4-awq":  # the weights carry AWQ's scale, so compare what the MatMul computes on average
+        assert all(np.isfinite(w).all() for w in after.values())
+    else:
+        assert set(after) == set(before)
