@@ -55,5 +55,5 @@ class QuantizationReport:
         s = self.summary()
         lines = [f"{self.mode}: {s['quantized']} MatMuls quantized, {s['skipped']} skipped; MatMul weights "
                  f"{s['matmul_weight_bytes_before'] / 1e6:.2f} MB -> {s['matmul_weight_bytes_after'] / 1e6:.2f} MB"]
-        lines += [f"  skipped {e.name} {list(e.shape)}: {e.detail}" for e in self.skipped()]
+        lines += [f"  skipped {e.name}{f' {list(e.shape)}' if any(e.shape) else ''}: {e.detail}" for e in self.skipped()]
         return "\n".join(lines)
