@@ -24,7 +24,8 @@ def session_options(num_threads: int | None, *, fuse_qdq: bool = True):
     ``fuse_qdq`` lets onnxruntime replace Q/DQ patterns by its quantized CPU kernels:
     an INT4/INT8 weight DequantizeLinear -> MatMul becomes MatMulNBits (here with
     accuracy_level 4: int8 dot products), INT8 Q/DQ pairs MatMulIntegerToFloat.
-    Without it the Q/DQ nodes run as written: exact, slower.
+    Without it the graph computes exactly what its Q/DQ nodes say: onnxruntime dequantizes
+    constant weights once, when it optimises the graph, and runs activation Q/DQ as written.
     """
     import onnxruntime as ort
 
@@ -56,7 +57,7 @@ def fuses_qdq(manifest: dict) -> bool:
     With quantized activations the fusion does not pay here: onnxruntime 1.31 fuses FP8
     Q/DQ around a MatMul into MatMulIntegerToFloat, which takes only 8-bit integers, and
     then refuses its own graph; for INT8 W8A8 (int8-sq) it fuses a third of the MatMuls and
-    the decode call became 5x slower than the unfused graph (25 vs 4.4 ms, benchmarks/bench_quant.py).
+    the decode call became 5x slower than the unfused graph (24 vs 4-5 ms on the bundled target).
     """
     if (manifest.get("quantization") or {}).get("activations") is not None:
         return False

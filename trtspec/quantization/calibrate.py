@@ -133,13 +133,12 @@ def collect(graph_path: Path, model: dict, value_names: list[str], windows: list
         feeds["position_ids"] = np.arange(len(ids), dtype=np.int64)[None]
         outputs = session.run(value_names, feeds)
         for name, x in zip(value_names, outputs):
-            x = np.abs(x.reshape(-1, x.shape[-1]).astype(np.float32))
-            absmax[name] = np.maximum(absmax[name], x.max(axis=0)) if name in absmax else x.max(axis=0)
-            abssum[name] = abssum[name] + x.sum(axis=0, dtype=np.float64) if name in abssum else x.sum(axis=0, dtype=np.float64)
-        for name, x in zip(value_names, outputs):
-            x = x.reshape(-1, x.shape[-1])
+            x = x.reshape(-1, x.shape[-1]).astype(np.float32)
+            a = np.abs(x)
+            absmax[name] = np.maximum(absmax[name], a.max(axis=0)) if name in absmax else a.max(axis=0)
+            abssum[name] = abssum.get(name, 0.0) + a.sum(axis=0, dtype=np.float64)
             take = np.unique(np.linspace(0, len(x) - 1, min(per_window, len(x))).astype(int))
-            rows[name].append(x[take].astype(np.float32))
+            rows[name].append(x[take])
         count += len(ids)
         now = time.perf_counter()
         if now - last > 2.0 or i + 1 == len(windows):

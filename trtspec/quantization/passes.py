@@ -116,7 +116,7 @@ def group_by_activation(linears: list[Linear]) -> list[list[Linear]]:
 
 
 def _constant(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
-    name = _unique(graph, name)
+    name = _fresh_name(name, graph.initializers)
     value = ir.Value(name=name, const_value=ir.Tensor(array, name=name))
     value.shape = ir.Shape(array.shape)
     value.type = ir.TensorType(value.const_value.dtype)
@@ -124,9 +124,10 @@ def _constant(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
     return value
 
 
-def _unique(graph: ir.Graph, name: str) -> str:
+def _fresh_name(name: str, taken) -> str:
+    """name, or name_1, name_2, ... : the first one not in ``taken``."""
     candidate, i = name, 1
-    while candidate in graph.initializers:
+    while candidate in taken:
         candidate, i = f"{name}_{i}", i + 1
     return candidate
 
@@ -178,11 +179,7 @@ def scale_inputs(model: ir.Model, group: list[Linear], s: np.ndarray, report: Qu
 
 
 def _node_name(graph: ir.Graph, name: str) -> str:
-    taken = {n.name for n in graph}
-    candidate, i = name, 1
-    while candidate in taken:
-        candidate, i = f"{name}_{i}", i + 1
-    return candidate
+    return _fresh_name(name, {n.name for n in graph})
 
 
 def _is_vector(value: ir.Value | None, k: int) -> bool:

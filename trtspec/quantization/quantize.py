@@ -137,9 +137,9 @@ def quantize(
     out = {**manifest, "quantization": quantization, "versions": {**manifest["versions"], **versions("onnx_ir")}}
     out.pop("files", None)
     with atomic_artifact(out_dir, out) as tmp:
-        _save(model, tmp / manifest["graph"], manifest["model"])
+        weight_bytes = _save(model, tmp / manifest["graph"], manifest["model"])
         del model
-        out["model"] = {**manifest["model"], "weight_bytes": _initializer_bytes(tmp / manifest["graph"])}
+        out["model"] = {**manifest["model"], "weight_bytes": weight_bytes}
         (tmp / REPORT_FILE).write_text(json.dumps(report.to_dict(), indent=1) + "\n")
         shutil.copytree(export_dir / manifest["tokenizer"], tmp / manifest["tokenizer"])
     log.info("%s", report.format())
@@ -172,7 +172,8 @@ def _awq(model, group, stats, block_size: int, report: QuantizationReport, clips
     return s if alpha > 0.0 else None
 
 
-def _save(model, path: Path, model_section: dict) -> None:
+def _save(model, path: Path, model_section: dict) -> int:
+    """Write the graph, check it (ONNX, step contract, TensorRT's Q/DQ rules); returns its initializer bytes."""
     import onnx
     import onnx_ir as ir
 
@@ -187,14 +188,8 @@ def _save(model, path: Path, model_section: dict) -> None:
     check_step_graph(proto, model_section["num_layers"])
     problems = qdq_violations(proto)
     assert not problems, "quantization produced a graph TensorRT would refuse:\n" + "\n".join(problems)
-
-
-def _initializer_bytes(path: Path) -> int:
-    import onnx
-
-    proto = onnx.load(str(path), load_external_data=False)
     total = 0
     for init in proto.graph.initializer:
-        external = {e.key: e.value for e in init.external_data}
-        total += int(external["length"]) if "length" in external else len(init.raw_data)
+        stored = {e.key: e.value for e in init.external_data}
+        total += int(stored["length"]) if "length" in stored else len(init.raw_data)
     return total
