@@ -8,19 +8,28 @@ __version__ = "0.1.0"
 
 from .builder import build
 from .engines import load_engine
-from .errors import ArtifactError, BackendUnavailableError, CapacityError, TrtspecError, UnsupportedModelError
+from .errors import (
+    ArtifactError,
+    BackendUnavailableError,
+    CapacityError,
+    EngineBusyError,
+    TrtspecError,
+    UnsupportedModelError,
+)
 from .exporter import export
 from .quantization import quantize
-from .runtime import Generator, GenerationResult, SamplingParams, VocabularyMismatchError
+from .runtime import Generator, GenerationResult, SamplingParams, Scheduler, VocabularyMismatchError
 from .torch_backend import compile
 
 __all__ = [
     "ArtifactError",
     "BackendUnavailableError",
     "CapacityError",
+    "EngineBusyError",
     "GenerationResult",
     "Generator",
     "SamplingParams",
+    "Scheduler",
     "TrtspecError",
     "UnsupportedModelError",
     "VocabularyMismatchError",

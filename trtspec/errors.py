@@ -19,3 +19,7 @@ class CapacityError(TrtspecError, ValueError):
 
 class BackendUnavailableError(TrtspecError, RuntimeError):
     """The requested backend cannot run on this machine."""
+
+
+class EngineBusyError(TrtspecError, RuntimeError):
+    """An engine was called from a second thread while another call was running on it."""

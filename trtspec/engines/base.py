@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 
-from ..errors import CapacityError
+from ..errors import CapacityError, EngineBusyError
 
 
 class Engine(Protocol):
-    """One model's step graph with its own fixed-capacity KV cache (DESIGN.md §3)."""
+    """One model's step graph with its own fixed-capacity KV cache (DESIGN.md §3).
+
+    Not thread-safe: an engine's cache rows belong to whoever drives it. A call made while
+    another thread's call is running raises EngineBusyError; share engines between threads
+    through one trtspec.Generator or Scheduler, whose single loop thread makes every call.
+    """
 
     path: Path
     manifest: dict  # the artifact's manifest; manifest["model"] describes the step graph
@@ -19,17 +25,61 @@ class Engine(Protocol):
     max_batch: int
     vocab_size: int
 
-    def forward(self, input_ids: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
-        """Run T new tokens per row, writing their K/V into the cache; returns logits [B, T, V]."""
+    def forward(self, input_ids: np.ndarray, position_ids: np.ndarray, first_row: int = 0) -> np.ndarray:
+        """Run T new tokens per row for cache rows [first_row, first_row + B), writing their K/V into the
+        cache; returns logits [B, T, V]."""
 
-    def move_row(self, src: int, dst: int) -> None:
-        """Copy cache row src into row dst (the runtime compacts its batch when a sequence finishes)."""
+    def move_row(self, src: int, dst: int, n: int | None = None) -> None:
+        """Copy cache row src (its first n slots, or all) into row dst (the runtime compacts its batch)."""
 
     def reset(self) -> None:
         """Zero the KV cache."""
 
+    def save_prefix(self, row: int, n: int):
+        """A copy of the first n cache slots of ``row`` (an opaque block with ``nbytes``)."""
 
-def check_step_inputs(input_ids, position_ids, *, max_batch: int, max_seq_len: int, vocab_size: int):
+    def load_prefix(self, saved, row: int) -> None:
+        """Write a block from save_prefix into the first slots of ``row``."""
+
+
+class SavedPrefix:
+    """Cache slots copied out of one row: host arrays (onnxruntime) or device tensors (GPU backends)."""
+
+    def __init__(self, parts):
+        self.parts = parts  # one [Hkv, n, D] block per cache buffer
+        self.nbytes = sum(int(p.nbytes) for p in parts)
+
+
+class CallGuard:
+    """Refuses a second simultaneous call on one engine instead of letting two callers mix its cache."""
+
+    def __init__(self, engine_name: str):
+        self._lock = threading.Lock()
+        self._name = engine_name
+
+    def __enter__(self):
+        if not self._lock.acquire(blocking=False):
+            raise EngineBusyError(
+                f"engine {self._name} is already running a call from another thread; engines are not thread-safe. "
+                "Share one trtspec.Generator (or Scheduler) between threads: it makes every engine call from its "
+                "own loop thread and batches the callers' requests together"
+            )
+        return self
+
+    def __exit__(self, *exc):
+        self._lock.release()
+
+
+def lease(engine) -> threading.Lock:
+    """The lock a scheduler holds while it has work on ``engine``, so two schedulers never interleave rounds."""
+    lock = engine.__dict__.get("_trtspec_lease")
+    if lock is None:
+        lock = engine.__dict__.setdefault("_trtspec_lease", threading.Lock())
+    return lock
+
+
+def check_step_inputs(input_ids, position_ids, *, max_batch: int, max_seq_len: int, vocab_size: int,
+                      first_row: int = 0):
     """Validate one step call before anything touches the cache; returns C-contiguous int64 arrays."""
     # input_ids [B, T] int, position_ids [B, T] int, consecutive per row
     input_ids = np.ascontiguousarray(input_ids, dtype=np.int64)
@@ -40,8 +90,11 @@ def check_step_inputs(input_ids, position_ids, *, max_batch: int, max_seq_len: i
             f"got {input_ids.shape} and {position_ids.shape}"
         )
     b, t = input_ids.shape
-    if b > max_batch:
-        raise CapacityError(f"batch of {b} rows but the engine holds {max_batch}; rebuild with --max-batch {b}")
+    if first_row < 0 or first_row + b > max_batch:
+        raise CapacityError(
+            f"rows {first_row}..{first_row + b - 1} asked for but the engine holds {max_batch}; "
+            f"rebuild with --max-batch {first_row + b}"
+        )
     if input_ids.min() < 0 or input_ids.max() >= vocab_size:
         raise ValueError(f"token ids must lie in [0, {vocab_size}); got {input_ids.min()}..{input_ids.max()}")
     start = position_ids[:, 0]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .base import check_step_inputs
+from .base import CallGuard, SavedPrefix, check_step_inputs
 
 _NP_DTYPES = {"float32": np.float32, "float16": np.float16}
 
@@ -87,40 +87,58 @@ class OnnxRuntimeEngine:
         self._logits = np.empty(0, dtype=self._logits_dtype)  # grows to the largest B*T*V seen, then reused
         self._binding = self.session.io_binding()
         self._bound_batch = None
+        self._guard = CallGuard(str(self.path))
 
-    def _bind_cache(self, b: int):
-        # Rebinding is needed only when the batch size changes: the addresses stay the same.
+    def _bind_cache(self, rows: tuple[int, int]):
+        # Rebinding is needed only when the rows change: rows [first, first + b) are contiguous in each buffer.
+        first, b = rows
         shape = [b, *next(iter(self.cache.values())).shape[1:]]
         for present, past in self._aliases:
-            ptr = self.cache[past].ctypes.data
+            buf = self.cache[past]
+            ptr = buf.ctypes.data + first * buf.strides[0]
             self._binding.bind_input(past, "cpu", 0, self.dtype, shape, ptr)
             self._binding.bind_output(present, "cpu", 0, self.dtype, shape, ptr)
-        self._bound_batch = b
+        self._bound_batch = rows
 
-    def forward(self, input_ids, position_ids):
-        # input_ids [B, T] int64, position_ids [B, T] int64 -> logits [B, T, V]
+    def forward(self, input_ids, position_ids, first_row: int = 0):
+        # input_ids [B, T] int64, position_ids [B, T] int64 -> logits [B, T, V]; cache rows [first_row, first_row + B)
         # The returned array is a view of a reused buffer: valid until the next call.
         input_ids, position_ids = check_step_inputs(
-            input_ids, position_ids, max_batch=self.max_batch, max_seq_len=self.max_seq_len, vocab_size=self.vocab_size
+            input_ids, position_ids, max_batch=self.max_batch, max_seq_len=self.max_seq_len, vocab_size=self.vocab_size,
+            first_row=first_row,
         )
         b, t = input_ids.shape
-        if b != self._bound_batch:
-            self._bind_cache(b)
-        n = b * t * self.vocab_size
-        if self._logits.size < n:
-            self._logits = np.empty(n, dtype=self._logits_dtype)
-        logits = self._logits[:n].reshape(b, t, self.vocab_size)
-        binding = self._binding
-        binding.bind_cpu_input("input_ids", input_ids)
-        binding.bind_cpu_input("position_ids", position_ids)
-        binding.bind_output("logits", "cpu", 0, self._logits_dtype, [b, t, self.vocab_size], logits.ctypes.data)
-        self.session.run_with_iobinding(binding)
+        with self._guard:
+            if (first_row, b) != self._bound_batch:
+                self._bind_cache((first_row, b))
+            n = b * t * self.vocab_size
+            if self._logits.size < n:
+                self._logits = np.empty(n, dtype=self._logits_dtype)
+            logits = self._logits[:n].reshape(b, t, self.vocab_size)
+            binding = self._binding
+            binding.bind_cpu_input("input_ids", input_ids)
+            binding.bind_cpu_input("position_ids", position_ids)
+            binding.bind_output("logits", "cpu", 0, self._logits_dtype, [b, t, self.vocab_size], logits.ctypes.data)
+            self.session.run_with_iobinding(binding)
         return logits
 
-    def move_row(self, src: int, dst: int):
-        for buf in self.cache.values():
-            buf[dst] = buf[src]
+    def move_row(self, src: int, dst: int, n: int | None = None):
+        with self._guard:
+            for buf in self.cache.values():
+                buf[dst, :, :n] = buf[src, :, :n]
+
+    def save_prefix(self, row: int, n: int):
+        # -> a list of [Hkv, n, D] copies, one per cache buffer
+        with self._guard:
+            return SavedPrefix([buf[row, :, :n].copy() for buf in self.cache.values()])
+
+    def load_prefix(self, saved, row: int):
+        with self._guard:
+            for buf, part in zip(self.cache.values(), saved.parts):
+                buf[row, :, : part.shape[1]] = part
 
     def reset(self):
-        for buf in self.cache.values():
-            buf.fill(0)
+        with self._guard:
+            for buf in self.cache.values():
+                buf.fill(0)
+

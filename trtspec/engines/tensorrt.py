@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ..builder.tensorrt_plan import is_static, select_profile
 from ..errors import ArtifactError, BackendUnavailableError
-from .base import check_step_inputs
+from .base import CallGuard, SavedPrefix, check_step_inputs
 from .tensorrt_compat import check_plan_compatible, compute_capability, import_tensorrt
 
 
@@ -43,21 +43,22 @@ def engine_aliases(output_names, aliased_input_of, expected: dict) -> dict:
     return found
 
 
-def call_bindings(model: dict, aliases: dict, batch: int, tokens: int, pointers: dict) -> tuple[dict, dict]:
-    """Input shapes and tensor addresses for one [batch, tokens] call.
+def call_bindings(model: dict, aliases: dict, batch: int, tokens: int, pointers: dict, first_row: int = 0,
+                  row_bytes: int = 0) -> tuple[dict, dict]:
+    """Input shapes and tensor addresses for one [batch, tokens] call over cache rows [first_row, first_row + batch).
 
     ``pointers`` holds the device address of input_ids, position_ids, logits
-    and each past_* buffer. A call with batch < max_batch uses the first rows,
-    which are contiguous, so the addresses never change; each present_* output
-    gets its past_* input's address.
+    and each past_* buffer; ``row_bytes`` is one cache row's size. The rows of
+    a call are contiguous, so a call's cache address is the buffer's plus
+    first_row rows; each present_* output gets its past_* input's address.
     """
     cache_shape = [batch, model["num_kv_heads"], model["max_seq_len"], model["head_dim"]]
     shapes = {"input_ids": [batch, tokens], "position_ids": [batch, tokens]}
     shapes.update({past: cache_shape for past in aliases.values()})
     addresses = {name: pointers[name] for name in ("input_ids", "position_ids", "logits")}
     for present, past in aliases.items():
-        addresses[past] = pointers[past]
-        addresses[present] = pointers[past]
+        addresses[past] = pointers[past] + first_row * row_bytes
+        addresses[present] = addresses[past]
     return shapes, addresses
 
 
@@ -98,6 +99,7 @@ class TensorRTEngine:
         self._stream = torch.cuda.Stream()
         self._contexts = [self._make_context(trt, i) for i in range(len(self.plan["profiles"]))]
         self._graphs = {}  # (profile index, batch) -> torch.cuda.CUDAGraph
+        self._guard = CallGuard(str(self.path))
 
     def _allocate(self, torch, buffers: dict):
         dtype = getattr(torch, buffers["cache_dtype"])
@@ -119,31 +121,33 @@ class TensorRTEngine:
         context.set_optimization_profile_async(index, self._stream.cuda_stream)
         return context
 
-    def forward(self, input_ids, position_ids):
+    def forward(self, input_ids, position_ids, first_row: int = 0):
         # input_ids [B, T] int64, position_ids [B, T] int64 -> logits [B, T, V] on the host
         # The returned array is a view of a reused pinned buffer: valid until the next call.
         input_ids, position_ids = check_step_inputs(
-            input_ids, position_ids, max_batch=self.max_batch, max_seq_len=self.max_seq_len, vocab_size=self.vocab_size
+            input_ids, position_ids, max_batch=self.max_batch, max_seq_len=self.max_seq_len, vocab_size=self.vocab_size,
+            first_row=first_row,
         )
         b, t = input_ids.shape
         index = select_profile(self.plan, b, t)
         torch = self._torch
         n, m = b * t, b * t * self.vocab_size
-        with torch.cuda.stream(self._stream):
+        with self._guard, torch.cuda.stream(self._stream):
             self._ids[:n].copy_(torch.from_numpy(input_ids.reshape(-1)))
             self._positions[:n].copy_(torch.from_numpy(position_ids.reshape(-1)))
-            self._run(index, b, t)
+            self._run(index, b, t, first_row)
             self._host_logits[:m].copy_(self._logits[:m], non_blocking=True)
-        self._stream.synchronize()
+            self._stream.synchronize()
         return self._host_logits[:m].numpy().reshape(b, t, self.vocab_size)
 
-    def _run(self, index: int, b: int, t: int):
-        graph = self._graphs.get((index, b))
+    def _run(self, index: int, b: int, t: int, first_row: int):
+        graph = self._graphs.get((index, b, first_row))
         if graph is not None:
             graph.replay()
             return
         context = self._contexts[index]
-        shapes, addresses = call_bindings(self.manifest["model"], self._aliases, b, t, self._pointers)
+        row_bytes = next(iter(self.cache.values()))[0].nbytes
+        shapes, addresses = call_bindings(self.manifest["model"], self._aliases, b, t, self._pointers, first_row, row_bytes)
         for name, shape in shapes.items():
             context.set_input_shape(name, shape)
         for name, address in addresses.items():
@@ -156,15 +160,28 @@ class TensorRTEngine:
             graph = self._torch.cuda.CUDAGraph()
             with self._torch.cuda.graph(graph, stream=self._stream):
                 context.execute_async_v3(self._stream.cuda_stream)
-            self._graphs[(index, b)] = graph
+            self._graphs[(index, b, first_row)] = graph
 
-    def move_row(self, src: int, dst: int):
-        with self._torch.cuda.stream(self._stream):
+    def move_row(self, src: int, dst: int, n: int | None = None):
+        with self._guard, self._torch.cuda.stream(self._stream):
             for buf in self.cache.values():
-                buf[dst].copy_(buf[src])
+                buf[dst, :, :n].copy_(buf[src, :, :n])
+
+    def save_prefix(self, row: int, n: int):
+        # device-to-device copies: a prefix never leaves the GPU
+        with self._guard, self._torch.cuda.stream(self._stream):
+            saved = SavedPrefix([buf[row, :, :n].clone() for buf in self.cache.values()])
+            self._stream.synchronize()
+        return saved
+
+    def load_prefix(self, saved, row: int):
+        with self._guard, self._torch.cuda.stream(self._stream):
+            for buf, part in zip(self.cache.values(), saved.parts):
+                buf[row, :, : part.shape[1]].copy_(part)
+            self._stream.synchronize()
 
     def reset(self):
-        with self._torch.cuda.stream(self._stream):
+        with self._guard, self._torch.cuda.stream(self._stream):
             for buf in self.cache.values():
                 buf.zero_()
         self._stream.synchronize()

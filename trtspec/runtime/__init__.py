@@ -1,7 +1,8 @@
-"""Stage 4: generation over engines (plain or speculative)."""
+"""Stage 4: generation over engines (plain or speculative), with continuous batching."""
 
-from .generator import DRAFTERS, BatchStats, GenerationOutput, GenerationResult, Generator, RequestStats
+from .generator import BatchStats, GenerationOutput, Generator, Stream
 from .sampling import SamplingParams
+from .scheduler import DRAFTERS, GenerationResult, RequestHandle, RequestStats, Scheduler, SchedulerStats
 from .vocab import VocabularyMismatchError
 
 __all__ = [
@@ -10,7 +11,11 @@ __all__ = [
     "GenerationOutput",
     "GenerationResult",
     "Generator",
+    "RequestHandle",
     "RequestStats",
     "SamplingParams",
+    "Scheduler",
+    "SchedulerStats",
+    "Stream",
     "VocabularyMismatchError",
 ]

@@ -1,29 +1,35 @@
 """Drafters propose up to k next tokens per sequence: a draft engine, prompt lookup, or none.
 
-A drafter sees the batch's token buffer ``tokens [B, cap]`` and each row's
-token count ``n [B]`` (prompt + output so far; the last one is not yet in any
-cache). ``propose`` returns drafts [B, k], how many of each row are real
-proposals, and the draft's processed distributions when it sampled them.
+A drafter sees the scheduler's token buffer ``tokens [B, cap]`` and each row's
+known token count ``n [B]`` (prompt + output so far; the last one is not in
+the target's cache yet). Rows are engine rows: a request enters one with
+``admit``, reads its prompt alongside the target with ``prefill``, and the
+batch is compacted with ``move_row``. ``propose`` returns
+drafts [B, K], how many of each row are real proposals, and, for rows that
+sample by rejection, the draft distributions they were drawn from.
 """
 
 from __future__ import annotations
 
-import numpy as np
+import time
 
-from .sampling import SamplingParams, sample
+import numpy as np
 
 
 class NoDrafter:
     name = "none"
 
-    def prefill(self, input_ids, position_ids, lengths):
+    def admit(self, row: int, cached: int):
         pass
 
-    def propose(self, tokens, n, k, params, rng):
+    def prefill(self, input_ids, position_ids, first_row, fed):
+        pass
+
+    def propose(self, tokens, n, caps, samplers, capacity):
         b = n.size
         return np.zeros((b, 0), np.int64), np.zeros(b, np.int64), None
 
-    def accepted(self, rows_valid):
+    def accepted(self, valid):
         pass
 
     def move_row(self, src, dst):
@@ -39,45 +45,69 @@ class DraftModelDrafter:
         self.engine = engine
         self.pad_id = pad_id
         self.cached = np.zeros(engine.max_batch, np.int64)  # tokens of each row in the draft's cache
+        self.calls: list[tuple[int, int, float]] = []  # (rows, tokens per row, seconds) of the last propose
 
-    def prefill(self, input_ids, position_ids, lengths):
-        # input_ids/position_ids [B, P] right-padded, lengths [B]
-        self.engine.forward(input_ids, position_ids)
-        self.cached[: lengths.size] = lengths
+    def admit(self, row: int, cached: int):
+        self.cached[row] = cached  # > 0 when a reused prefix was loaded into the draft's cache
 
-    def propose(self, tokens, n, k, params: SamplingParams, rng):
-        # tokens [B, cap] int64, n [B] -> drafts [B, k], counts [B], probs [B, k, V] or None
+    def prefill(self, input_ids, position_ids, first_row: int, fed):
+        # rows [first_row, first_row + P) read the same prompt chunk as the target: input_ids [P, T], fed [P]
+        self.engine.forward(input_ids, position_ids, first_row=first_row)
+        self.cached[first_row : first_row + fed.size] += fed
+
+    def propose(self, tokens, n, caps, samplers, capacity):
+        # tokens [B, cap] int64, n [B], caps [B] -> drafts [B, K], counts [B], probs [B, K, V] or None
+        # First one call catches every row up with the tokens its cache lacks (the last one or two, more
+        # after rounds without drafting); pads sit beyond each row's cached tokens, where the mask hides
+        # them and later writes overwrite them. Then k - 1 one-token calls extend the drafts.
         b = n.size
         cached = self.cached[:b]
-        # Catch up: feed what the draft has not seen (the last token, plus the last draft when all k were
-        # accepted), right-padded; pads land beyond each row's length, where the next write overwrites them.
-        width = int((n - cached).max())
+        width = int(max(1, (n - cached).max()))
+        width = min(width, int((capacity - cached).min()))  # no row may write past the cache's capacity
         offsets = np.arange(width)
-        idx = np.minimum(cached[:, None] + offsets, n[:, None] - 1)
-        ids = np.where(cached[:, None] + offsets < n[:, None], np.take_along_axis(tokens, idx, axis=1), self.pad_id)
-        logits = self.engine.forward(ids, cached[:, None] + offsets)
-        last = logits[np.arange(b), n - cached - 1]  # [B, V]
-        drafts = np.empty((b, k), np.int64)
-        probs = None if params.greedy else np.empty((b, k, last.shape[-1]))
+        fed = np.clip(n - cached, 0, width)
+        pos = cached[:, None] + offsets
+        ids = np.where(offsets < fed[:, None], np.take_along_axis(tokens, np.minimum(pos, tokens.shape[1] - 1), axis=1),
+                       self.pad_id)
+        t0 = time.perf_counter()
+        logits = self.engine.forward(ids, pos)
+        self.calls = [(b, width, time.perf_counter() - t0)]
+        cached += fed
+        # a row drafts only when it is fully caught up (its logits then predict token n)
+        counts = np.where((cached == n) & (fed > 0), caps, 0).astype(np.int64)
+        k = int(counts.max()) if b else 0
+        drafts = np.zeros((b, k), np.int64)
+        probs = None
+        if k == 0:
+            return drafts, counts, probs
+        if any(samplers[r].mode == "rejection" for r in range(b) if counts[r]):
+            probs = np.zeros((b, k, logits.shape[-1]))
+        last = logits[np.arange(b), np.maximum(fed - 1, 0)]  # [B, V]
+        # a row not extending its drafts writes a pad at its first free slot (harmless, overwritten later)
+        free = np.where(counts > 0, n + counts - 1, cached)
         for j in range(k):
-            if params.greedy:
-                drafts[:, j] = last.argmax(axis=-1)
-            else:
-                probs[:, j] = params.probs(last)
-                drafts[:, j] = [sample(row, rng) for row in probs[:, j]]
+            for r in np.flatnonzero(counts > j):
+                drafts[r, j], q = samplers[r].propose(last[r], int(n[r]) + j)
+                if q is not None:
+                    probs[r, j] = q
             if j + 1 < k:
-                last = self.engine.forward(drafts[:, j : j + 1], (n - 1 + j + 1)[:, None])[:, 0]
-        # fed: the catch-up tokens and drafts[:, :k-1]
-        cached[:] = n + k - 1
-        return drafts, np.full(b, k, np.int64), probs
+                active = counts > j + 1
+                step_pos = np.where(active, n + j, free)
+                step_ids = np.where(active, drafts[:, j], self.pad_id)
+                t0 = time.perf_counter()
+                last = self.engine.forward(step_ids[:, None], step_pos[:, None])[:, 0]
+                self.calls.append((b, 1, time.perf_counter() - t0))
+        drafting = counts > 0
+        cached[drafting] = n[drafting] + counts[drafting] - 1  # the catch-up tokens and drafts[:, :k-1]
+        return drafts, counts, probs
 
-    def accepted(self, rows_valid):
-        # rows_valid [B]: tokens now known to be right in each row; later draft entries are stale
-        b = rows_valid.size
-        np.minimum(self.cached[:b], rows_valid, out=self.cached[:b])
+    def accepted(self, valid):
+        # valid [B]: tokens now known to be right in each row; later draft entries are stale
+        b = valid.size
+        np.minimum(self.cached[:b], valid, out=self.cached[:b])
 
     def move_row(self, src, dst):
-        self.engine.move_row(src, dst)
+        self.engine.move_row(src, dst, int(self.cached[src]))
         self.cached[dst] = self.cached[src]
 
 
@@ -90,12 +120,15 @@ class PromptLookupDrafter:
 
     name = "prompt_lookup"
 
-    def __init__(self, max_ngram: int = 3):
+    def __init__(self, max_batch: int, max_ngram: int = 3):
         self.max_ngram = max_ngram
-        self.rows: list[tuple[dict, list[int]]] = []  # per row: (index, [positions indexed])
+        self.rows: list[tuple[dict, list[int]]] = [({}, [0]) for _ in range(max_batch)]  # (index, [indexed upto])
 
-    def prefill(self, input_ids, position_ids, lengths):
-        self.rows = [({}, [0]) for _ in range(lengths.size)]
+    def admit(self, row: int, cached: int):
+        self.rows[row] = ({}, [0])
+
+    def prefill(self, input_ids, position_ids, first_row, fed):
+        pass
 
     def _index(self, row, seq, upto):
         # add the n-grams ending at positions [done, upto) (each has a known follower)
@@ -106,11 +139,12 @@ class PromptLookupDrafter:
                     index[tuple(seq[end - g + 1 : end + 1].tolist())] = end + 1
         done[0] = max(done[0], upto)
 
-    def propose(self, tokens, n, k, params, rng):
+    def propose(self, tokens, n, caps, samplers, capacity):
         b = n.size
+        k = int(caps.max()) if b else 0
         drafts = np.zeros((b, k), np.int64)
         counts = np.zeros(b, np.int64)
-        for row in range(b):
+        for row in np.flatnonzero(caps > 0):
             length = int(n[row])
             seq = tokens[row]
             self._index(row, seq, length - 1)
@@ -118,13 +152,13 @@ class PromptLookupDrafter:
             for g in range(min(self.max_ngram, length), 0, -1):
                 start = index.get(tuple(seq[length - g : length].tolist()))
                 if start is not None:
-                    m = min(k, length - start)
+                    m = min(int(caps[row]), length - start)
                     drafts[row, :m] = seq[start : start + m]
                     counts[row] = m
                     break
         return drafts, counts, None
 
-    def accepted(self, rows_valid):
+    def accepted(self, valid):
         pass
 
     def move_row(self, src, dst):

@@ -7,14 +7,17 @@ import numpy as np
 from .sampling import sample
 
 
-def accept_greedy(drafts: np.ndarray, target_logits: np.ndarray) -> tuple[int, int]:
-    """Longest prefix of ``drafts`` the target agrees with, and the target's own next token after it."""
-    # drafts [m] int64, target_logits [m + 1, V] (position j scores the token after drafts[:j])
-    predicted = target_logits.argmax(axis=-1)
-    m = drafts.size
-    agree = predicted[:m] == drafts
+def accept_chosen(drafts: np.ndarray, chosen: np.ndarray) -> tuple[int, int]:
+    """Longest prefix of ``drafts`` equal to the target's own choices, and the target's token after it.
+
+    Greedy decoding chooses the argmax; coupled sampling the Gumbel-max sample (sampling.RowSampler).
+    ``chosen`` may stop at its first disagreement with ``drafts``: later choices are never needed.
+    """
+    # drafts [m] int64, chosen [<= m + 1] int64 (chosen[j]: the target's token after drafts[:j])
+    m = min(drafts.size, chosen.size - 1)
+    agree = chosen[:m] == drafts[:m]
     a = m if agree.all() else int(np.argmin(agree))
-    return a, int(predicted[a])
+    return a, int(chosen[a])
 
 
 def accept_sampling(

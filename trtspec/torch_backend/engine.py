@@ -14,7 +14,7 @@ import logging
 import os
 from pathlib import Path
 
-from ..engines.base import check_step_inputs
+from ..engines.base import CallGuard, SavedPrefix, check_step_inputs
 from ..errors import BackendUnavailableError
 from .source import load_source
 
@@ -45,6 +45,7 @@ class TorchEngine:
         self.vocab_size = model["vocab_size"]
         self.compile_backend = compile_backend
         self.device = torch.device(device)
+        self._guard = CallGuard(f"{self.path} (torch)")
         # built on the CPU (its RoPE table comes from the HF rotary module there), then moved
         hf = source.hf_model.requires_grad_(False)
         step = StepModel(hf, source.spec, self.max_seq_len, in_place_cache=not functional_cache).eval().to(self.device)
@@ -62,35 +63,52 @@ class TorchEngine:
         """The KV cache buffers, [max_batch, Hkv, S_max, D] each: key_0, value_0, key_1, ..."""
         return self.module.caches()
 
-    def forward(self, input_ids, position_ids):
+    def forward(self, input_ids, position_ids, first_row: int = 0):
         # input_ids [B, T] int64, position_ids [B, T] int64 -> logits [B, T, V] float32 numpy (a fresh array)
         import torch
 
         input_ids, position_ids = check_step_inputs(
-            input_ids, position_ids, max_batch=self.max_batch, max_seq_len=self.max_seq_len, vocab_size=self.vocab_size
+            input_ids, position_ids, max_batch=self.max_batch, max_seq_len=self.max_seq_len, vocab_size=self.vocab_size,
+            first_row=first_row,
         )
         fn = self._graphed if input_ids.shape[1] <= MAX_GRAPHED_TOKENS else self._general
         ids = torch.from_numpy(input_ids).to(self.device)
         pos = torch.from_numpy(position_ids).to(self.device)
-        with torch.no_grad():
-            logits = fn(ids, pos)
-        return logits.float().cpu().numpy()
+        with self._guard, torch.no_grad():
+            if first_row:
+                # The compiled graphs take rows [0, B); other rows run eagerly (the scheduler's prefill calls).
+                logits = _functional_call(self.module.step, self.module, first_row)(ids, pos)
+            else:
+                logits = fn(ids, pos)
+            return logits.float().cpu().numpy()
 
-    def move_row(self, src: int, dst: int):
-        for cache in self.caches:
-            cache[dst].copy_(cache[src])
+    def move_row(self, src: int, dst: int, n: int | None = None):
+        with self._guard:
+            for cache in self.caches:
+                cache[dst, :, :n].copy_(cache[src, :, :n])
+
+    def save_prefix(self, row: int, n: int):
+        with self._guard:
+            return SavedPrefix([cache[row, :, :n].clone() for cache in self.caches])
+
+    def load_prefix(self, saved, row: int):
+        with self._guard:
+            for cache, part in zip(self.caches, saved.parts):
+                cache[row, :, : part.shape[1]].copy_(part)
 
     def reset(self):
-        for cache in self.caches:
-            cache.zero_()
+        with self._guard:
+            for cache in self.caches:
+                cache.zero_()
 
 
-def _functional_call(compiled_step, module):
-    """(input_ids, position_ids) -> logits over a step that returns its caches; keeps module's buffers current."""
+def _functional_call(compiled_step, module, first_row: int = 0):
+    """(input_ids, position_ids) -> logits over a step that returns its caches (or writes them in place);
+    keeps module's buffers current."""
 
     def call(input_ids, position_ids):
         b = input_ids.shape[0]
-        rows = [c[:b] for c in module.caches()]
+        rows = [c[first_row : first_row + b] for c in module.caches()]
         logits, *presents = compiled_step(input_ids, position_ids, *rows)
         for row, present in zip(rows, presents):
             if present.data_ptr() != row.data_ptr():

@@ -1,0 +1,317 @@
+"""Continuous batching: requests join and leave a running batch, and each gets exactly its output alone."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from trtspec import Generator, Scheduler, load_engine
+from trtspec.engines.base import lease
+from trtspec.runtime.adaptive import LoadAwareK
+
+ARCH = "llama-gqa-rope3"
+OPTIONS = {"max_seq_len": 256, "max_batch": 4}
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+
+
+def make_prompt(i: int, words: int) -> str:
+    rng = np.random.default_rng(i)
+    return " ".join(rng.choice(WORDS, size=words))
+
+
+@pytest.fixture(scope="module")
+def target(exported):
+    return load_engine(exported(ARCH, **OPTIONS))
+
+
+@pytest.fixture(scope="module")
+def draft(perturbed_export):
+    return load_engine(perturbed_export(ARCH, 0.3, **OPTIONS))
+
+
+@pytest.fixture(scope="module")
+def alone(target):
+    """A request's output run alone: plain target decoding, one request at a time."""
+    gen = Generator(target)
+    cache = {}
+
+    def get(prompt, **params):
+        key = (prompt, repr(sorted(params.items())))
+        if key not in cache:
+            cache[key] = gen.generate(prompt, **params)
+        return cache[key]
+
+    return get
+
+
+def _workload():
+    """16 requests: mixed prompt lengths and max_new_tokens 8..200, greedy and seeded sampling, stop strings."""
+    requests = []
+    for i in range(16):
+        params = {"max_new_tokens": [8, 40, 200, 17, 64, 120, 9, 33][i % 8]}
+        if i % 3 == 1:
+            params.update(temperature=0.9, top_p=0.9, seed=100 + i)
+        if i % 5 == 2:
+            params["stop"] = ["main", "::", "r="]
+        requests.append((make_prompt(i, [2, 8, 20, 4][i % 4]), params))
+    return requests
+
+
+def test_16_concurrent_requests_through_4_rows_each_equal_the_request_alone(target, draft, alone):
+    scheduler = Scheduler(target, draft, num_draft_tokens=4)  # load-aware k
+    requests = _workload()
+    barrier = threading.Barrier(len(requests))
+    results = [None] * len(requests)
+
+    def client(i):
+        prompt, params = requests[i]
+        barrier.wait()
+        results[i] = scheduler.submit(prompt, **params).result(timeout=300)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(requests))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for (prompt, params), got in zip(requests, results):
+        want = alone(prompt, **params)
+        assert got.token_ids == want.token_ids
+        assert got.text == want.text and got.finish_reason == want.finish_reason
+    assert any(r.stats.proposed for r in results)  # the draft was used
+    assert any(r.finish_reason == "stop" for (_, p), r in zip(requests, results) if "stop" in p)
+    stats = scheduler.stats()
+    assert stats.requests_finished == 16 and stats.running == 0 and stats.waiting == 0
+    assert max(b for _, _, b in scheduler.round_log) == 4
+
+
+def test_seeded_sampling_equals_target_only_sampling_whatever_the_drafter(target, draft, alone):
+    # coupled sampling: the draft changes the speed, never the sample a seed gives
+    params = {"max_new_tokens": 48, "temperature": 1.0, "top_k": 20, "seed": 5}
+    prompt = make_prompt(3, 12)
+    want = alone(prompt, **params).token_ids
+    for gen in (Generator(target, draft, num_draft_tokens=3), Generator(target, drafter="prompt_lookup"),
+                Generator(target, draft, num_draft_tokens=6, adaptive_k=True)):
+        assert gen.generate(prompt, **params).token_ids == want
+    other = Generator(target).generate(prompt, **{**params, "seed": 6}).token_ids
+    assert other != want
+
+
+def test_a_request_submitted_mid_generation_starts_before_the_others_finish(target, draft, alone):
+    scheduler = Scheduler(target, draft, num_draft_tokens=3)
+    long_handle = scheduler.submit(make_prompt(1, 5), max_new_tokens=200)
+    stream = iter(long_handle)
+    next(stream)  # the long request is running
+    short = scheduler.submit(make_prompt(2, 7), max_new_tokens=10)
+    result = short.result(timeout=60)
+    assert not long_handle.done  # still running when the late request finished
+    assert result.token_ids == alone(make_prompt(2, 7), max_new_tokens=10).token_ids
+    rest = long_handle.result(timeout=120)
+    assert rest.token_ids == alone(make_prompt(1, 5), max_new_tokens=200).token_ids
+
+
+def test_cancelling_a_request_frees_its_row_for_the_next(target, draft, alone):
+    scheduler = Scheduler(target, draft, max_batch=1)
+    first = scheduler.submit(make_prompt(4, 10), max_new_tokens=200)
+    next(iter(first))
+    second = scheduler.submit(make_prompt(5, 10), max_new_tokens=20)
+    first.cancel()
+    cancelled = first.result(timeout=60)
+    assert cancelled.finish_reason == "cancelled" and 0 < len(cancelled.token_ids) < 200
+    full = alone(make_prompt(4, 10), max_new_tokens=200).token_ids
+    assert cancelled.token_ids == full[: len(cancelled.token_ids)]
+    assert second.result(timeout=60).token_ids == alone(make_prompt(5, 10), max_new_tokens=20).token_ids
+    assert scheduler.stats().requests_cancelled == 1
+
+
+def _completion_order(scheduler, submissions):
+    """Submit while the scheduler's loop is held back, then let it run one row at a time."""
+    lock = lease(scheduler.target)
+    order = []
+    with lock:
+        handles = []
+        for name, priority, pause in submissions:
+            handles.append((name, scheduler.submit(make_prompt(len(handles), 4), max_new_tokens=4, priority=priority)))
+            time.sleep(pause)
+    for name, handle in handles:
+        handle.result(timeout=60)
+        order.append((handle._request.admitted, name))
+    return [name for _, name in sorted(order)]
+
+
+def test_higher_priority_is_admitted_first_fifo_within_a_level(target):
+    scheduler = Scheduler(target, max_batch=1, aging_s=1e6)
+    subs = [("low-a", 0, 0.0), ("high", 5, 0.0), ("mid", 2, 0.0), ("low-b", 0, 0.0), ("high-2", 5, 0.0)]
+    assert _completion_order(scheduler, subs) == ["high", "high-2", "mid", "low-a", "low-b"]
+
+
+def test_aging_lets_a_long_waiting_low_priority_request_through(target):
+    # waiting 0.01 s counts as one level: after 0.3 s the low-priority request outranks a +5 newcomer
+    scheduler = Scheduler(target, max_batch=1, aging_s=0.01)
+    subs = [("old-low", 0, 0.3), ("new-high", 5, 0.0)]
+    assert _completion_order(scheduler, subs) == ["old-low", "new-high"]
+
+
+def test_prefix_reuse_gives_identical_output_and_counts_the_hit(target, draft, alone):
+    scheduler = Scheduler(target, draft, num_draft_tokens=3, min_prefix_tokens=8)
+    system = make_prompt(9, 25)
+    n = scheduler.register_prefix(system)
+    assert n > 60
+    question = system + " " + make_prompt(10, 6)
+    got = scheduler.submit(question, max_new_tokens=30).result(timeout=60)
+    assert got.token_ids == alone(question, max_new_tokens=30).token_ids
+    assert got.stats.prefix_tokens_reused == n
+    stats = scheduler.stats()
+    assert stats.prefix_hits == 1 and stats.prefix_tokens_reused == n
+    # a finished request's tokens are kept too: a follow-up turn reuses prompt and answer
+    follow_up = question + got.text + " kappa"
+    again = scheduler.submit(follow_up, max_new_tokens=12).result(timeout=60)
+    assert again.token_ids == alone(follow_up, max_new_tokens=12).token_ids
+    assert again.stats.prefix_tokens_reused > n
+    assert scheduler.stats().prefix_hits == 2
+
+
+def test_the_prefix_cache_is_bounded_and_evicts_least_recently_used(target):
+    per_token = sum(buf[0, :, 0].nbytes for buf in target.cache.values())
+    prompts = [make_prompt(20 + i, 20) for i in range(4)]
+    entry = per_token * (len(Generator(target).tokenizer(prompts[0])["input_ids"]) + 3)
+    scheduler = Scheduler(target, prefix_cache_mb=2.5 * entry / 2**20, min_prefix_tokens=8)
+    for p in prompts:
+        scheduler.submit(p, max_new_tokens=4).result(timeout=60)
+    cache = scheduler.prefix_cache
+    assert cache.nbytes <= cache.max_bytes and 1 <= len(cache.entries) < 4
+    assert scheduler.submit(prompts[-1] + " mu", max_new_tokens=2).result(timeout=60).stats.prefix_tokens_reused > 0
+    assert scheduler.submit(prompts[0] + " mu", max_new_tokens=2).result(timeout=60).stats.prefix_tokens_reused == 0
+
+
+def test_a_long_prompt_is_read_in_chunks_while_other_rows_keep_emitting(target, draft, alone):
+    calls = []
+
+    class Recording:
+        def __init__(self, engine):
+            self.engine = engine
+
+        def __getattr__(self, name):
+            return getattr(self.engine, name)
+
+        def forward(self, ids, pos, first_row=0):
+            calls.append((first_row, ids.shape, pos[:, 0].copy()))
+            return self.engine.forward(ids, pos, first_row=first_row)
+
+    long_prompt = make_prompt(31, 30)
+    expected = [alone(long_prompt, max_new_tokens=5).token_ids, alone(make_prompt(30, 4), max_new_tokens=150).token_ids]
+    # (the wrapper hides the engine from the lease that serialises schedulers: no other may run meanwhile)
+    scheduler = Scheduler(Recording(target), draft, num_draft_tokens=2, k_policy="fixed", prefill_chunk=8)
+    running = scheduler.submit(make_prompt(30, 4), max_new_tokens=150)
+    next(iter(running))
+    n_long = len(scheduler.tokenizer(long_prompt)["input_ids"])
+    calls.clear()
+    result = scheduler.submit(long_prompt, max_new_tokens=5).result(timeout=60)
+    assert [result.token_ids, running.result().token_ids] == expected
+    # the new prompt was read 8 tokens a call in row 1, while row 0 kept verifying at advancing positions
+    reading = [i for i, (first, shape, _) in enumerate(calls) if first == 1]
+    assert len(reading) == -(-n_long // 8)
+    assert [int(calls[i][2][0]) for i in reading[:3]] == [0, 8, 16]
+    between = [int(start[0]) for first, shape, start in calls[reading[0] : reading[-1]] if first == 0]
+    assert len(between) >= len(reading) - 1
+    assert all(b > a for a, b in zip(between, between[1:]))
+
+
+def test_async_api_many_coroutines_and_a_consumer_that_leaves(target, draft, alone):
+    scheduler = Scheduler(target, draft, num_draft_tokens=3)
+    requests = [(make_prompt(40 + i, 2 + 3 * i), 10 + 9 * i) for i in range(6)]
+
+    async def collect(prompt, n):
+        return "".join([d async for d in scheduler.astream(prompt, max_new_tokens=n)])
+
+    async def leave_early():
+        async for _ in scheduler.astream(make_prompt(50, 5), max_new_tokens=200):
+            break  # the consumer goes away: the request is cancelled
+
+    async def main():
+        texts = await asyncio.gather(*(collect(p, n) for p, n in requests), leave_early())
+        result = await scheduler.agenerate(requests[0][0], max_new_tokens=requests[0][1])
+        return texts[:-1], result
+
+    texts, result = asyncio.run(main())
+    assert texts == [alone(p, max_new_tokens=n).text for p, n in requests]
+    assert result.token_ids == alone(requests[0][0], max_new_tokens=requests[0][1]).token_ids
+    deadline = time.time() + 10
+    while scheduler.stats().requests_cancelled < 1 and time.time() < deadline:
+        time.sleep(0.01)
+    assert scheduler.stats().requests_cancelled == 1 and scheduler.stats().running == 0
+
+
+@pytest.mark.parametrize(
+    "params, error, message",
+    [
+        ({"temperature": -1.0}, ValueError, "temperature must be a finite number >= 0"),
+        ({"max_new_tokens": 0}, ValueError, "max_new_tokens must be an integer >= 1"),
+        ({"num_draft_tokens": 300}, ValueError, "num_draft_tokens=300 is not supported"),
+        ({"priority": "high"}, ValueError, "priority must be an integer"),
+        ({"seed": 1.5, "temperature": 1.0}, ValueError, "seed must be an integer"),
+        ({"prompt": "word " * 300}, Exception, "prompt has .* tokens but the engine holds 256 positions"),
+    ],
+)
+def test_bad_requests_are_refused_before_queuing_and_disturb_no_other(target, draft, alone, params, error, message):
+    scheduler = Scheduler(target, draft, num_draft_tokens=2)
+    running = scheduler.submit(make_prompt(60, 6), max_new_tokens=60)
+    params = dict(params)
+    prompt = params.pop("prompt", "x")
+    with pytest.raises(error, match=message):
+        scheduler.submit(prompt, **params)
+    assert running.result(timeout=60).token_ids == alone(make_prompt(60, 6), max_new_tokens=60).token_ids
+    assert scheduler.stats().requests_finished == 1
+
+
+def test_an_engine_failure_fails_the_requests_in_flight_and_the_scheduler_keeps_serving(target, alone):
+    class Failing:
+        def __init__(self, engine):
+            self.engine = engine
+            self.fail_at = None
+            self.calls = 0
+
+        def __getattr__(self, name):
+            return getattr(self.engine, name)
+
+        def forward(self, ids, pos, first_row=0):
+            self.calls += 1
+            if self.calls == self.fail_at:
+                raise RuntimeError("simulated engine failure")
+            return self.engine.forward(ids, pos, first_row=first_row)
+
+    engine = Failing(target)
+    scheduler = Scheduler(engine)
+    engine.fail_at = 5
+    doomed = [scheduler.submit(make_prompt(70 + i, 5), max_new_tokens=30) for i in range(2)]
+    for h in doomed:
+        with pytest.raises(RuntimeError, match="simulated engine failure"):
+            h.result(timeout=60)
+    ok = scheduler.submit(make_prompt(72, 5), max_new_tokens=20).result(timeout=60)
+    assert ok.token_ids == alone(make_prompt(72, 5), max_new_tokens=20).token_ids
+    assert scheduler.stats().requests_failed == 2
+
+
+def test_load_aware_k_drafts_when_it_pays_and_stops_when_the_batch_is_full():
+    policy = LoadAwareK(8, list(range(1, 9)))
+    for _ in range(50):
+        policy.record_round(4, 3)  # alpha = 0.75
+    # a call costs 1 ms + 0.5 ms per token it carries: verify calls grow with B * (k + 1)
+    for b in (1, 8):
+        for t in (1, 2, 3, 5, 9):
+            policy.target.record(b, t, 1e-3 + 0.5e-3 * b * t)
+        policy.draft.record(b, 1, 0.1e-3 + 0.05e-3 * b)
+    caps1, caps8 = np.full(1, 8), np.full(8, 8)
+    k1 = policy.choose(1, caps1)
+    assert k1 >= 2
+    assert policy.tokens_per_second(1, k1, caps1) > policy.tokens_per_second(1, 0, caps1)
+    assert policy.choose(8, caps8) == 0
+    assert policy.tokens_per_second(8, 0, caps8) >= max(policy.tokens_per_second(8, k, caps8) for k in range(1, 9))
+    # after a run of k = 0 it tries k = 1 again, to keep its measurements current
+    chosen = [policy.choose(8, caps8) for _ in range(20)]
+    assert chosen.count(1) == 1 and set(chosen) == {0, 1}
+    # a row that may draft only 2 caps the round's k for that row
+    assert policy.choose(1, np.array([2])) <= 2
