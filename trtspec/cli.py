@@ -217,6 +217,52 @@ def _add_bench(sub):
     p.set_defaults(run=run)
 
 
+def _add_serve(sub):
+    p = sub.add_parser("serve", help="serve the engines over OpenAI's HTTP API (completions, chat, streaming)")
+    p.add_argument("--target", required=True, help="engine (or export) directory of the target model")
+    p.add_argument("--draft", help="engine (or export) directory of the draft model")
+    p.add_argument("--drafter", choices=["draft", "prompt_lookup", "none"], help="default: draft if --draft, else none")
+    p.add_argument("-k", "--num-draft-tokens", type=_positive_int, default=4,
+                   help="most tokens drafted per round (default 4; load-aware k picks fewer, down to 0, under load)")
+    p.add_argument("--k-policy", choices=["load-aware", "fixed"], default="load-aware")
+    p.add_argument("--max-batch", type=_positive_int, help="engine rows to use (default: all the engines have)")
+    p.add_argument("--max-queue", type=_positive_int, help="waiting requests beyond which new ones get 429")
+    p.add_argument("--prefill-chunk", type=_positive_int, default=64, help="prompt tokens read per row per round")
+    p.add_argument("--prefix-cache-mb", type=float, default=256.0, help="KV kept for prefix reuse (0: off)")
+    p.add_argument("--system-prompt", action="append", default=[],
+                   help="text whose KV is computed at start and pinned for reuse (e.g. a shared system prompt)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (default: no key)")
+    p.add_argument("--served-model-name", help="the model name clients send (default: the target directory's name)")
+    p.add_argument("--threads", type=_positive_int, help="onnxruntime intra-op threads (default: all cores)")
+    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish requests on SIGTERM")
+    p.add_argument("--log-prompts", action="store_true", help="log prompt text with each request (off by default)")
+
+    def run(args):
+        from pathlib import Path
+
+        from .runtime import Scheduler
+        from .server import create_app
+        from .server.run import serve
+
+        scheduler = Scheduler(
+            args.target, args.draft, drafter=args.drafter, num_draft_tokens=args.num_draft_tokens,
+            k_policy=args.k_policy, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk,
+            prefix_cache_mb=args.prefix_cache_mb, num_threads=args.threads,
+        )
+        for text in args.system_prompt:
+            print(f"trtspec serve: cached a prefix of {scheduler.register_prefix(text)} tokens", file=sys.stderr)
+        name = args.served_model_name or Path(args.target).resolve().name
+        app = create_app(scheduler, model_name=name, api_key=args.api_key, max_queue=args.max_queue,
+                         log_prompts=args.log_prompts)
+        print(f"trtspec serve: {name} on http://{args.host}:{args.port}/v1 (max batch {scheduler.max_batch}, "
+              f"capacity {scheduler.capacity} tokens)", file=sys.stderr, flush=True)
+        serve(app, host=args.host, port=args.port, drain_timeout=args.drain_timeout)
+
+    p.set_defaults(run=run)
+
+
 def _print_stats(stats, finish_reason):
     line = (
         f"[{stats.new_tokens} tokens, {stats.tokens_per_s:.1f} tok/s, first token after "
@@ -244,6 +290,7 @@ def main(argv=None) -> int:
     _add_build(sub)
     _add_generate(sub)
     _add_bench(sub)
+    _add_serve(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="trtspec: %(message)s")
     try:

@@ -229,6 +229,36 @@ class RequestHandle:
         self._scheduler._cancel(self._request)
 
 
+class AsyncRequestHandle:
+    """A request submitted from a coroutine. Leaving the ``async for`` early cancels the request."""
+
+    def __init__(self, scheduler, request):
+        self._scheduler = scheduler
+        self._request = request
+        self.id = request.id
+        self.prompt_tokens = int(request.prompt_ids.size)
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self.result: GenerationResult | None = None
+
+    async def __aiter__(self):
+        try:
+            while True:
+                kind, value = await self._queue.get()
+                if kind == "error":
+                    raise value
+                if kind == "done":
+                    self.result = value
+                    return
+                if value:
+                    yield value
+        finally:
+            if self.result is None and self._request.finish_reason is None:
+                self.cancel()  # the consumer went away (or was cancelled): free the row
+
+    def cancel(self):
+        self._scheduler._cancel(self._request)
+
+
 class PrefixCache:
     """KV slots of already-processed token sequences, bounded in bytes, least recently used out first.
 
@@ -500,37 +530,32 @@ class Scheduler:
         handle.result()
         return int(request.prompt_ids.size)
 
+    def submit_async(self, prompt, **params) -> AsyncRequestHandle:
+        """Queue one request from a coroutine (validated here, raising the user's error); ``async for`` the
+        returned handle for text deltas, then read ``handle.result``. The event loop never waits on an engine."""
+        loop = asyncio.get_running_loop()
+        request = self.make_request(prompt, **params)
+        handle = AsyncRequestHandle(self, request)
+        request.sink = lambda event: loop.call_soon_threadsafe(handle._queue.put_nowait, event)
+        self._enqueue([request])
+        return handle
+
     async def agenerate(self, prompt, **params) -> GenerationResult:
-        """``await``: the finished GenerationResult. The event loop never waits on an engine call."""
-        result = None
-        async for item in self._aevents(prompt, params):
-            if isinstance(item, GenerationResult):
-                result = item
-        return result
+        """``await``: the finished GenerationResult."""
+        handle = self.submit_async(prompt, **params)
+        async for _ in handle:
+            pass
+        return handle.result
 
     async def astream(self, prompt, **params):
         """``async for delta in scheduler.astream(prompt, ...)``: text deltas as blocks are accepted."""
-        async for item in self._aevents(prompt, params):
-            if isinstance(item, str) and item:
-                yield item
+        async for delta in self.submit_async(prompt, **params):
+            yield delta
 
-    async def _aevents(self, prompt, params):
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-        request = self.make_request(prompt, **params)
-        request.sink = lambda event: loop.call_soon_threadsafe(events.put_nowait, event)
-        self._enqueue([request])
-        try:
-            while True:
-                kind, value = await events.get()
-                if kind == "error":
-                    raise value
-                yield value
-                if kind == "done":
-                    return
-        finally:
-            if request.finish_reason is None:  # the consumer went away: free the row
-                self._cancel(request)
+    @property
+    def waiting(self) -> int:
+        """Requests queued and not yet in an engine row."""
+        return len(self._waiting)
 
     def _enqueue(self, requests):
         with self._cv:

@@ -1,0 +1,5 @@
+"""Stage 7: serving. An OpenAI-compatible HTTP server over the continuous-batching scheduler."""
+
+from .app import create_app
+
+__all__ = ["create_app"]

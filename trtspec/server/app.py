@@ -1,0 +1,266 @@
+"""The OpenAI-compatible HTTP front: a thin FastAPI app over a Scheduler (runtime/scheduler.py).
+
+Handlers translate a request into scheduler parameters and scheduler output into OpenAI's
+objects and stream chunks; they hold no generation logic. ``create_app`` is the factory that
+``trtspec serve``, the tests and any other ASGI server (Ray Serve) use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ..errors import CapacityError
+from ..runtime.scheduler import RequestFailedError, Scheduler
+from .metrics import Metrics
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest, unsupported
+
+log = logging.getLogger("trtspec.server")
+
+
+class _State:
+    def __init__(self):
+        self.ready = False
+        self.draining = False
+
+
+def create_app(scheduler: Scheduler, *, model_name: str, api_key: str | None = None, max_queue: int | None = None,
+               log_prompts: bool = False, warmup: bool = True) -> FastAPI:
+    """An ASGI app serving ``scheduler`` as OpenAI's /v1/completions and /v1/chat/completions.
+
+    ``max_queue``: waiting requests beyond which new ones get 429; ``api_key``: required bearer token.
+    ``app.state.trtspec.draining = True`` makes it refuse new generations with 503 (SIGTERM does it).
+    """
+    state = _State()
+    metrics = Metrics(scheduler)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        if warmup:  # one short generation: sessions initialised, first-call costs paid before /health says ok
+            bos = scheduler.bos_id if scheduler.bos_id is not None else 0
+            await scheduler.agenerate([bos], max_new_tokens=2)
+        state.ready = True
+        log.info("serving %s: max batch %d, capacity %d tokens, drafter %s", model_name, scheduler.max_batch,
+                 scheduler.capacity, scheduler.drafter_name)
+        yield
+        state.ready = False
+        await asyncio.to_thread(scheduler.close, 10.0)
+
+    app = FastAPI(title="trtspec", lifespan=lifespan)
+    app.state.trtspec = state
+    app.state.scheduler = scheduler
+    app.state.metrics = metrics
+
+    @app.exception_handler(APIError)
+    async def api_error(request, exc: APIError):
+        return JSONResponse(exc.body, status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request, exc: RequestValidationError):
+        problems = []
+        for e in exc.errors():
+            if e.get("type") == "json_invalid":
+                return JSONResponse(APIError(400, "the request body is not valid JSON").body, status_code=400)
+            where = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
+            problems.append(f"{where or 'body'}: {e.get('msg')}")
+        return JSONResponse(APIError(400, "; ".join(problems) or "invalid request").body, status_code=400)
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        if request.url.path.startswith("/v1/"):
+            if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
+                err = APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                               type="authentication_error", code="invalid_api_key")
+                return JSONResponse(err.body, status_code=401)
+            if request.method == "POST" and (state.draining or not state.ready):
+                why = "the server is shutting down" if state.draining else "the server is still loading its engines"
+                err = APIError(503, f"{why}; retry on another replica or later", type="service_unavailable")
+                return JSONResponse(err.body, status_code=503, headers={"Retry-After": "1"})
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        if state.ready and not state.draining:
+            return {"status": "ok"}
+        return JSONResponse({"status": "draining" if state.draining else "loading"}, status_code=503)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "trtspec",
+                                            "max_model_len": scheduler.capacity}]}
+
+    @app.get("/metrics")
+    async def prometheus():
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    def params_of(body, max_tokens, prompt_ids):
+        if body.model != model_name:
+            raise APIError(400, f"model {body.model!r} is not served here; this server serves {model_name!r}",
+                           param="model", code="model_not_found")
+        unsupported(body)
+        temperature = 1.0 if body.temperature is None else body.temperature
+        sampled = temperature > 0
+        room = scheduler.capacity - len(prompt_ids)
+        if max_tokens is None:
+            max_tokens = room
+        elif max_tokens < 1:
+            raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+        params = dict(max_new_tokens=max_tokens, temperature=temperature, seed=body.seed, stop=body.stop,
+                      priority=body.priority, num_draft_tokens=body.num_draft_tokens,
+                      top_p=body.top_p if sampled and body.top_p not in (None, 1, 1.0) else None,
+                      top_k=body.top_k if sampled and body.top_k not in (None, 0) else None)
+        if isinstance(params["stop"], list) and len(params["stop"]) > 4:
+            raise APIError(400, "at most 4 stop sequences are allowed", param="stop")
+        return params
+
+    def encode(prompt):
+        try:
+            return scheduler.encode(prompt).tolist()
+        except CapacityError as exc:
+            raise APIError(400, f"{exc} (this server's limit: {scheduler.capacity} tokens)", param="prompt",
+                           code="context_length_exceeded") from None
+        except (ValueError, TypeError) as exc:
+            raise APIError(400, str(exc), param="prompt") from None
+
+    def submit(ids, params):
+        if max_queue is not None and scheduler.waiting >= max_queue:
+            raise APIError(429, f"the queue is full ({scheduler.waiting} requests waiting); retry shortly",
+                           type="rate_limit_error", headers={"Retry-After": "1"})
+        try:
+            return scheduler.submit_async(ids, **params)
+        except (ValueError, TypeError) as exc:
+            raise APIError(400, str(exc)) from None
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise APIError(400, f"{len(prompt)} prompts in one request; trtspec takes one (send one request each)",
+                               param="prompt")
+            prompt = prompt[0]
+        ids = encode(prompt)
+        params = params_of(body, body.max_tokens, ids)
+        return await respond(request, "text_completion", body, ids, params, prompt if log_prompts else None)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request):
+        tok = scheduler.tokenizer
+        if not getattr(tok, "chat_template", None):
+            raise APIError(400, f"model {model_name!r} has no chat template; use /v1/completions with a plain prompt",
+                           param="messages")
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        try:
+            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        except Exception as exc:  # noqa: BLE001 - a template error is the request's fault
+            raise APIError(400, f"the chat template could not render these messages: {exc}", param="messages") from None
+        ids = encode(list(ids["input_ids"] if isinstance(ids, dict) else ids))
+        params = params_of(body, body.max_completion_tokens or body.max_tokens, ids)
+        return await respond(request, "chat.completion", body, ids, params, messages if log_prompts else None)
+
+    async def respond(request, kind, body, ids, params, logged_prompt):
+        t0 = time.perf_counter()
+        handle = submit(ids, params)
+        rid = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        endpoint = "chat" if kind == "chat.completion" else "completions"
+
+        def finished(status, result=None):
+            metrics.request_done(endpoint, status, result)
+            tokens = len(result.token_ids) if result is not None else 0
+            log.info("%s %s status=%s prompt_tokens=%d completion_tokens=%d latency_ms=%.1f finish=%s%s", rid,
+                     endpoint, status, len(ids), tokens, (time.perf_counter() - t0) * 1e3,
+                     result.finish_reason if result is not None else "-",
+                     f" prompt={json.dumps(logged_prompt)}" if logged_prompt is not None else "")
+
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(stream(handle, rid, created, kind, include_usage, finished),
+                                     media_type="text/event-stream")
+        consume = asyncio.ensure_future(_drain(handle))
+        while not consume.done():  # a client that hangs up cancels its request
+            await asyncio.wait({consume}, timeout=0.25)
+            if not consume.done() and await request.is_disconnected():
+                handle.cancel()
+        try:
+            await consume
+        except RequestFailedError as exc:
+            finished(500)
+            raise APIError(500, str(exc), type="server_error") from None
+        result = handle.result
+        finished(200, result)
+        if kind == "chat.completion":
+            choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
+                      "finish_reason": _finish(result), "logprobs": None}
+        else:
+            choice = {"index": 0, "text": result.text, "finish_reason": _finish(result), "logprobs": None}
+        return {"id": rid, "object": kind, "created": created, "model": model_name, "choices": [choice],
+                "usage": _usage(result), "trtspec": _speculation(result)}
+
+    async def stream(handle, rid, created, kind, include_usage, finished):
+        chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
+
+        def chunk(delta=None, finish=None, **extra):
+            if kind == "chat.completion":
+                choice = {"index": 0, "delta": delta if delta is not None else {}, "finish_reason": finish,
+                          "logprobs": None}
+            else:
+                choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
+            payload = {"id": rid, "object": chunk_kind, "created": created, "model": model_name, "choices": [choice],
+                       **extra}
+            return f"data: {json.dumps(payload)}\n\n"
+
+        status = 499  # the client went away before the end
+        result = None
+        try:
+            if kind == "chat.completion":
+                yield chunk({"role": "assistant", "content": ""})
+            async for delta in handle:
+                yield chunk({"content": delta} if kind == "chat.completion" else delta)
+            result = handle.result
+            yield chunk(finish=_finish(result), trtspec=_speculation(result))
+            if include_usage:
+                payload = {"id": rid, "object": chunk_kind, "created": created, "model": model_name, "choices": [],
+                           "usage": _usage(result)}
+                yield f"data: {json.dumps(payload)}\n\n"
+            yield "data: [DONE]\n\n"
+            status = 200
+        except RequestFailedError as exc:
+            status = 500
+            yield f"data: {json.dumps(APIError(500, str(exc), type='server_error').body)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            finished(status, result)
+
+    return app
+
+
+async def _drain(handle):
+    async for _ in handle:
+        pass
+
+
+def _finish(result) -> str:
+    return "length" if result.finish_reason == "length" else "stop"
+
+
+def _usage(result) -> dict:
+    prompt, completion = result.stats.prompt_tokens, len(result.token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _speculation(result) -> dict:
+    s = result.stats
+    return {"acceptance_rate": s.acceptance_rate, "accepted": s.accepted, "proposed": s.proposed,
+            "mean_tokens_per_target_call": s.mean_tokens_per_target_call, "target_calls": s.target_calls,
+            "prefix_tokens_reused": s.prefix_tokens_reused, "queue_s": s.queue_s,
+            "time_to_first_token_s": s.time_to_first_token_s}
