@@ -13,6 +13,7 @@ import threading
 import time
 
 import httpx
+import numpy as np
 import openai
 import pytest
 import uvicorn
@@ -171,7 +172,7 @@ def test_chat_without_a_template_is_a_400_that_says_so(exported):
 
 def test_16_concurrent_streams_through_4_rows_each_equal_the_request_alone(server, alone):
     client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-    requests = [(PROMPTS[i % 4] + " " * (i // 4), 8 + 7 * i) for i in range(16)]
+    requests = [(PROMPTS[i % 4] + " " * (i // 4), 8 + 5 * i) for i in range(16)]
 
     async def one(prompt, n):
         text = ""
@@ -270,17 +271,35 @@ def test_an_engine_failure_is_a_500_for_the_requests_in_flight_only(target, alon
         assert 'trtspec_requests_total{endpoint="completions",status="500"} 1.0' in metrics
 
 
+class Slow:
+    """An engine whose calls take 20 ms: a request lasts long enough to be interrupted."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def forward(self, ids, pos, first_row=0):
+        time.sleep(0.02)
+        return self.engine.forward(ids, pos, first_row=first_row)
+
+
 def test_a_client_that_disconnects_mid_stream_cancels_its_request(target):
-    scheduler = Scheduler(target)
+    scheduler = Scheduler(Slow(target))
     with Server(create_app(scheduler, model_name="tiny")) as s:
-        body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 120, "temperature": 0, "stream": True}
+        body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 100, "temperature": 0, "stream": True}
         with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=30) as r:
+            assert r.status_code == 200
             next(r.iter_lines())
         deadline = time.time() + 10
         while scheduler.stats().requests_cancelled < 1 and time.time() < deadline:
             time.sleep(0.02)
         stats = scheduler.stats()
         assert stats.requests_cancelled == 1 and stats.running == 0
+        metrics = httpx.get(s.url + "/metrics", timeout=10).text  # the freed row shows in /metrics
+        assert "trtspec_running_requests 0.0" in metrics
+        assert 'trtspec_requests_total{endpoint="completions",status="499"} 1.0' in metrics
 
 
 def test_models_health_and_metrics(server):
@@ -334,3 +353,67 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(chat_export):
             proc.kill()
         output = proc.stdout.read()
     assert "draining" in output
+
+
+def _hostile_requests():
+    """200 malformed or hostile requests: (method, path, kwargs for httpx)."""
+    good = {"model": "tiny", "prompt": "hi", "max_tokens": 4}
+    bodies = [
+        b"", b"{", b"null", b"[]", b"42", b'"prompt"', b"{\"model\": \"tiny\", \"prompt\": \"hi\"",
+        b"\xff\xfe\x00garbage", b'{"model": "tiny", "prompt": "hi", "max_tokens": 4,}', b"{'model': 'tiny'}",
+    ]
+    reqs = [("POST", "/v1/completions", {"content": b, "headers": {"content-type": "application/json"}}) for b in bodies]
+    variants = [
+        {"max_tokens": "4"}, {"max_tokens": 10**12}, {"max_tokens": -5}, {"max_tokens": 0}, {"max_tokens": 4.5},
+        {"temperature": "hot"}, {"temperature": -0.1}, {"top_p": -1}, {"top_p": 0}, {"top_p": 2},
+        {"top_k": -3}, {"seed": "x"}, {"seed": 1.5}, {"stop": 5}, {"stop": [""]}, {"stop": [1, 2]}, {"n": 3},
+        {"n": 0}, {"logprobs": 5}, {"echo": True}, {"best_of": 2}, {"prompt": None}, {"prompt": 5},
+        {"prompt": {"text": "hi"}}, {"prompt": [1.5, 2]}, {"prompt": [-1, 5]}, {"prompt": [10**9]}, {"prompt": []},
+        {"prompt": ["a", "b", "c"]}, {"prompt": "x" * (1 << 20)}, {"model": None}, {"model": ""}, {"model": "other"},
+        {"stream": "yes"}, {"stream_options": 5}, {"priority": "urgent"}, {"num_draft_tokens": -1},
+        {"num_draft_tokens": 10**6}, {"unknown_field": 1}, {"presence_penalty": 1.0}, {"logit_bias": {"5": 100}},
+        {"frequency_penalty": -2},
+    ]
+    for v in variants:
+        body = {**good, **v}
+        if v == {"model": None}:
+            body.pop("model")
+        reqs.append(("POST", "/v1/completions", {"json": body}))
+        if "prompt" in v:
+            continue
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                **{k: val for k, val in v.items() if k != "prompt"}}
+        reqs.append(("POST", "/v1/chat/completions", {"json": chat}))
+    chat_bad = [{"messages": []}, {"messages": "hi"}, {"messages": [{"role": "wizard", "content": "x"}]},
+                {"messages": [{"content": "no role"}]}, {"messages": [{"role": "user", "content": 5}]}, {"messages": None}]
+    for v in chat_bad:
+        reqs.append(("POST", "/v1/chat/completions", {"json": {"model": "tiny", "max_tokens": 4, **v}}))
+    reqs += [("POST", "/v1/completions", {"content": json.dumps(good).encode(), "headers": {"content-type": "text/plain"}}),
+             ("POST", "/v1/completions", {"data": {"model": "tiny", "prompt": "hi"}}),
+             ("GET", "/v1/completions", {}), ("PUT", "/v1/chat/completions", {"json": good}),
+             ("POST", "/v1/nothing", {"json": good}), ("DELETE", "/v1/models", {})]
+    i = 0
+    while len(reqs) < 200:  # random bytes and random JSON structures
+        i += 1
+        rnd = np.random.default_rng(i)
+        if i % 2:
+            reqs.append(("POST", "/v1/completions", {"content": rnd.bytes(int(rnd.integers(1, 300))),
+                                                     "headers": {"content-type": "application/json"}}))
+        else:
+            junk = {str(k): [None, -1, "x" * 10, [1, {}], {"a": []}][int(rnd.integers(5))] for k in rnd.integers(0, 9, 4)}
+            reqs.append(("POST", "/v1/chat/completions", {"json": {**junk, "model": "tiny"}}))
+    return reqs[:200]
+
+
+def test_200_hostile_requests_each_get_a_4xx_and_the_server_still_answers(server, alone):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        for method, path, kw in _hostile_requests():
+            r = http.request(method, path, **kw)
+            assert 400 <= r.status_code < 500, (method, path, str(kw)[:200], r.status_code, r.text[:300])
+            assert r.json()["error"]["message"]  # OpenAI's error schema, whatever went wrong
+        out = server.client().completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=8, temperature=0)
+        assert out.choices[0].text == alone(PROMPTS[0], max_new_tokens=8).text
+        families = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
+    assert "trtspec_requests" in families and "trtspec_time_to_first_token_seconds" in families

@@ -17,6 +17,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import CapacityError
 from ..runtime.scheduler import RequestFailedError, Scheduler
@@ -63,6 +64,12 @@ def create_app(scheduler: Scheduler, *, model_name: str, api_key: str | None = N
     async def api_error(request, exc: APIError):
         return JSONResponse(exc.body, status_code=exc.status, headers=exc.headers)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, exc: StarletteHTTPException):  # 404, 405, unparsable bodies: OpenAI's schema too
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        err = APIError(exc.status_code, str(exc.detail), type=kind)
+        return JSONResponse(err.body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
     @app.exception_handler(RequestValidationError)
     async def validation_error(request, exc: RequestValidationError):
         problems = []
@@ -70,7 +77,10 @@ def create_app(scheduler: Scheduler, *, model_name: str, api_key: str | None = N
             if e.get("type") == "json_invalid":
                 return JSONResponse(APIError(400, "the request body is not valid JSON").body, status_code=400)
             where = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
-            problems.append(f"{where or 'body'}: {e.get('msg')}")
+            if e.get("type") == "extra_forbidden":
+                problems.append(f"unrecognized request argument: {where}")
+            else:
+                problems.append(f"{where or 'body'}: {e.get('msg')}")
         return JSONResponse(APIError(400, "; ".join(problems) or "invalid request").body, status_code=400)
 
     @app.middleware("http")
@@ -114,6 +124,10 @@ def create_app(scheduler: Scheduler, *, model_name: str, api_key: str | None = N
             max_tokens = room
         elif max_tokens < 1:
             raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+        elif max_tokens > room:
+            raise APIError(400, f"max_tokens={max_tokens} with a {len(prompt_ids)}-token prompt exceeds this model's "
+                           f"{scheduler.capacity}-token context; ask for at most {room}", param="max_tokens",
+                           code="context_length_exceeded")
         params = dict(max_new_tokens=max_tokens, temperature=temperature, seed=body.seed, stop=body.stop,
                       priority=body.priority, num_draft_tokens=body.num_draft_tokens,
                       top_p=body.top_p if sampled and body.top_p not in (None, 1, 1.0) else None,
@@ -148,6 +162,8 @@ def create_app(scheduler: Scheduler, *, model_name: str, api_key: str | None = N
                 raise APIError(400, f"{len(prompt)} prompts in one request; trtspec takes one (send one request each)",
                                param="prompt")
             prompt = prompt[0]
+        if len(prompt) == 0:
+            raise APIError(400, "the prompt is empty", param="prompt")
         ids = encode(prompt)
         params = params_of(body, body.max_tokens, ids)
         return await respond(request, "text_completion", body, ids, params, prompt if log_prompts else None)

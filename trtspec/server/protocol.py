@@ -16,7 +16,8 @@ class StreamOptions(BaseModel):
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="allow")  # unknown fields are ignored, as OpenAI's servers do
+    # an unknown parameter is refused (400, named), as OpenAI's API does: a typo never passes silently
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str
     temperature: float | None = None  # OpenAI's default is 1.0
