@@ -197,7 +197,7 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--ks", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--requests", type=int, default=24)
+    ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--out", type=Path, default=RESULTS / "batching")
     args = ap.parse_args(argv)
     target, draft = engines()

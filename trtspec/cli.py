@@ -263,6 +263,53 @@ def _add_serve(sub):
     p.set_defaults(run=run)
 
 
+def _add_bench_serve(sub):
+    p = sub.add_parser("bench-serve", help="load-test any OpenAI-compatible server: throughput, TTFT, inter-token latency")
+    p.add_argument("--url", required=True, help="the server's base URL, e.g. http://127.0.0.1:8000/v1")
+    p.add_argument("--model", help="model name to send (default: the first of the server's /v1/models)")
+    p.add_argument("--prompts", default="models/heldout.json", help="JSON prompts file (as for `trtspec bench`)")
+    p.add_argument("--max-tokens", type=_positive_int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--concurrency", type=_positive_int, nargs="*", default=[1, 2, 4, 8, 16],
+                   help="closed-loop client counts (default 1 2 4 8 16)")
+    p.add_argument("--rates", type=float, nargs="*", default=[], help="open-loop Poisson arrival rates, requests/s")
+    p.add_argument("--requests", type=_positive_int, default=32, help="requests per load level (default 32)")
+    p.add_argument("--api-key")
+    p.add_argument("--json", dest="json_out", help="write the results to this JSON file")
+
+    def run(args):
+        import asyncio
+        import json
+
+        import httpx
+
+        from .bench import load_prompts
+        from .server.loadgen import run_load, summarize
+
+        prompts = load_prompts(args.prompts)
+        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+        model = args.model or httpx.get(args.url.rstrip("/") + "/models", headers=headers, timeout=30).json()["data"][0]["id"]
+        levels = [("concurrency", c) for c in args.concurrency] + [("rate", r) for r in args.rates]
+        results = []
+        for kind, value in levels:
+            records, wall = asyncio.run(run_load(
+                args.url, model, prompts, max_tokens=args.max_tokens, num_requests=args.requests,
+                temperature=args.temperature, api_key=args.api_key,
+                **({"concurrency": value} if kind == "concurrency" else {"rate": value})))
+            row = {kind: value, **summarize(records, wall)}
+            results.append(row)
+            print(f"{kind} {value:>5}: {row['output_tok_s']:7.1f} tok/s, {row['requests_s']:.2f} req/s, TTFT p50 "
+                  f"{row['ttft_p50_ms'] or 0:.0f} ms p99 {row['ttft_p99_ms'] or 0:.0f} ms, ITL p50 "
+                  f"{row['itl_p50_ms'] or 0:.1f} ms p99 {row['itl_p99_ms'] or 0:.1f} ms, errors {row['errors']}",
+                  flush=True)
+        if args.json_out:
+            with open(args.json_out, "w") as f:
+                json.dump({"url": args.url, "model": model, "max_tokens": args.max_tokens, "levels": results}, f,
+                          indent=1)
+
+    p.set_defaults(run=run)
+
+
 def _print_stats(stats, finish_reason):
     line = (
         f"[{stats.new_tokens} tokens, {stats.tokens_per_s:.1f} tok/s, first token after "
@@ -291,6 +338,7 @@ def main(argv=None) -> int:
     _add_generate(sub)
     _add_bench(sub)
     _add_serve(sub)
+    _add_bench_serve(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="trtspec: %(message)s")
     try:

@@ -1,14 +1,16 @@
 """Load-aware k: each round, the draft length that gives the most tokens per second at the current batch size.
 
-A round with k drafts costs one draft call of catch-up plus k - 1 one-token draft
-calls, and one target call over max(k + 1, prefill chunk) tokens per row; it
-emits sum over decoding rows of E(alpha, k_r) tokens (DESIGN.md §4). Costs are
-measured per (batch size, tokens per row) from the calls the scheduler makes,
-and estimated for sizes not measured yet by a linear fit in the number of
-tokens the call carries. k = 0 (plain decoding) competes on the same terms, so
-when the batch is full enough that verify calls grow faster than acceptance
-pays, the policy stops drafting. With k = 0 chosen it still tries k = 1 now and
-then, to keep measuring.
+What counts is measured: for each (batch size, k) the scheduler records whole decode rounds — draft
+calls, the verify call, acceptance and bookkeeping — as tokens emitted and seconds taken, and the
+policy picks the k with the best recent tokens per second. A (batch, k) not measured yet (or seen
+fewer than _TRUSTED times) is estimated from the engine calls measured so far: one draft catch-up
+call plus k - 1 one-token draft calls and one target call over k + 1 tokens per row, each costed per
+(rows, tokens) with a linear fit for sizes not seen, emitting sum over rows of E(alpha, k_r) tokens
+(DESIGN.md §4). Such estimates leave out the host's work, so they are optimistic: an unmeasured k
+gets tried, and is then judged on what it really did. k = 0 (plain decoding) competes on the same
+terms, so when the batch is full enough that verify calls grow faster than acceptance pays, drafting
+stops. Every _PROBE_EVERY rounds at a batch size one neighbour of the best k is tried again, so a
+change in acceptance (another kind of prompt) is noticed.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ from .speculative import expected_tokens_per_call
 _PRIOR_ALPHA, _PRIOR_WEIGHT = 0.5, 8.0
 _PRIOR_DRAFT_RATIO = 0.1
 _PRIOR_SLOPE = 0.05
-_PROBE_EVERY = 16  # rounds with k = 0 at one batch size before k = 1 is tried again
-_MEMORY = 32  # a cost is the mean of at most this many recent calls (machines are shared and noisy)
+_PROBE_EVERY = 16  # rounds at one batch size between tries of a neighbour of the best k
+_MEMORY = 32  # a mean covers at most this many recent observations (machines are shared and noisy)
+_TRUSTED = 3  # rounds of a (batch, k) before its measured rate replaces the estimate
 
 
 class CallCosts:
@@ -31,7 +34,7 @@ class CallCosts:
 
     def __init__(self):
         self.means: dict[tuple[int, int], list[float]] = {}  # (b, t) -> [mean seconds, calls counted]
-        self._fit = None  # (slope, intercept) or False; refitted after _MEMORY records (a round's choice is cheap)
+        self._fit = None  # (slope, intercept) or False; refitted after new sizes or _MEMORY records
         self._records = 0
 
     def record(self, b: int, t: int, seconds: float):
@@ -41,9 +44,6 @@ class CallCosts:
         entry = self.means.setdefault((b, t), [0.0, 0])
         entry[1] = min(entry[1] + 1, _MEMORY)
         entry[0] += (seconds - entry[0]) / entry[1]
-
-    def measured(self, b: int, t: int) -> bool:
-        return (b, t) in self.means
 
     def estimate(self, b: int, t: int) -> float | None:
         if (b, t) in self.means:
@@ -74,21 +74,29 @@ class LoadAwareK:
         self.accepted = 0
         self.target = CallCosts()
         self.draft = CallCosts()
-        self.rounds_at_zero: dict[int, int] = {}
+        self.rounds: dict[tuple[int, int], list[float]] = {}  # (b, k) -> [mean tokens, mean seconds, rounds]
+        self.since_probe: dict[int, int] = {}
 
-    def record_round(self, proposed: int, accepted: int):
+    def record_acceptance(self, proposed: int, accepted: int):
         # alpha is per checked draft: drafts after the first rejection were never checked
         self.checked += accepted + (accepted < proposed)
         self.accepted += accepted
+
+    def record_round(self, b: int, k: int, tokens: int, seconds: float):
+        """A whole decode round at batch b with k drafts: the tokens it emitted and the seconds it took."""
+        entry = self.rounds.setdefault((b, k), [0.0, 0.0, 0])
+        entry[2] = min(entry[2] + 1, _MEMORY)
+        entry[0] += (tokens - entry[0]) / entry[2]
+        entry[1] += (seconds - entry[1]) / entry[2]
 
     @property
     def alpha(self) -> float:
         return (self.accepted + _PRIOR_ALPHA * _PRIOR_WEIGHT) / (self.checked + _PRIOR_WEIGHT)
 
-    def _round_cost(self, b: int, k: int, prefill_tokens: int) -> float:
-        target = self.target.estimate(b, max(k + 1, prefill_tokens))
+    def _estimated_cost(self, b: int, k: int) -> float:
+        target = self.target.estimate(b, k + 1)
         if target is None:  # nothing measured: relative units, decode call = 1
-            target = 1 + _PRIOR_SLOPE * (b * max(k + 1, prefill_tokens) - 1)
+            target = 1 + _PRIOR_SLOPE * (b * (k + 1) - 1)
         if k == 0:
             return target
         draft = self.draft.estimate(b, 1)
@@ -97,25 +105,29 @@ class LoadAwareK:
             draft = _PRIOR_DRAFT_RATIO * (decode if decode is not None else 1.0)
         return target + k * draft
 
-    def tokens_per_second(self, b: int, k: int, caps: np.ndarray, prefill_tokens: int = 0) -> float:
-        """Expected tokens per second of a round with up to k drafts per decoding row (caps: each row's own limit)."""
+    def tokens_per_second(self, b: int, k: int, caps: np.ndarray) -> float:
+        """Measured tokens per second of rounds at (b, k), or the estimate while they are too few."""
+        seen = self.rounds.get((b, k))
+        if seen is not None and seen[2] >= _TRUSTED and seen[1] > 0:
+            return seen[0] / seen[1]
         alpha = self.alpha
         tokens = sum(expected_tokens_per_call(alpha, int(min(k, c))) for c in caps)
-        return tokens / self._round_cost(b, k, prefill_tokens)
+        return tokens / self._estimated_cost(b, k)
 
-    def choose(self, b: int, caps: np.ndarray, prefill_tokens: int = 0) -> int:
-        """The best k for this round (0: plain decoding); ``caps`` [rows decoding] bounds each row's k."""
+    def choose(self, b: int, caps: np.ndarray) -> int:
+        """The best k for this round (0: plain decoding); ``caps`` [rows] bounds each row's k."""
         top = min(int(caps.max()) if caps.size else 0, self.k_max)
         candidates = [0] + [k for k in self.allowed if k <= top]
         if len(candidates) == 1:
             return 0
-        best = max(candidates, key=lambda k: self.tokens_per_second(b, k, caps, prefill_tokens))
-        if best > 0:
-            self.rounds_at_zero[b] = 0
-            return best
-        waited = self.rounds_at_zero.get(b, 0) + 1
-        self.rounds_at_zero[b] = waited
+        rates = {k: self.tokens_per_second(b, k, caps) for k in candidates}
+        best = max(candidates, key=rates.get)
+        waited = self.since_probe.get(b, 0) + 1
+        self.since_probe[b] = waited
         if waited >= _PROBE_EVERY:
-            self.rounds_at_zero[b] = 0
-            return candidates[1]
-        return 0
+            self.since_probe[b] = 0
+            i = candidates.index(best)
+            neighbours = [candidates[j] for j in (i - 1, i + 1) if 0 <= j < len(candidates)]
+            # the neighbour measured least recently often, i.e. with the fewest rounds on record
+            return min(neighbours, key=lambda k: self.rounds.get((b, k), [0, 0, 0])[2])
+        return best

@@ -728,6 +728,7 @@ class Scheduler:
                 self.policy.draft.record(b, 1, (t1 - t0) / kk)
 
         valid = n.copy()
+        emitted = stats.generated_tokens
         for s, r in enumerate(rows):
             r.stats.target_calls += 1
             m = int(counts[s])
@@ -736,7 +737,7 @@ class Scheduler:
             r.stats.rounds += 1
             r.stats.record_accept(a, m)
             if m and self.policy is not None:
-                self.policy.record_round(m, a)
+                self.policy.record_acceptance(m, a)
             stats.proposed += m
             stats.accepted += a
             n_before = int(n[s])
@@ -744,6 +745,12 @@ class Scheduler:
             valid[s] = min(n_before + a, int(n[s]))  # the cache holds the verified tokens, not the last one
             tc[s] = valid[s]
         self.drafter.accepted(valid)
+        if self.policy is not None:
+            seconds = time.perf_counter() - t0
+            if self.draft is not None and caps.any() and self.drafter.calls[0][1] > 2:
+                # a long catch-up pays for earlier rounds that did not draft: charge this round a usual one
+                seconds += self.policy.draft.estimate(b, 2) - self.drafter.calls[0][2]
+            self.policy.record_round(b, k, stats.generated_tokens - emitted, seconds)
 
     def _prefill_round(self):
         """Rows [D, B) read their prompts: up to prefill_chunk tokens this round, first come first served.
