@@ -762,20 +762,17 @@ class Scheduler:
         first, last = self._decoding, len(self._rows)
         plen = np.array([r.prompt_ids.size for r in self._rows[first:last]], np.int64)
         tc = self._tc[first:last]
-        chunks, budget = [], self.prefill_chunk
+        t_cap = int((self.capacity - tc).min())  # every row of the call writes T slots: pads stay inside the cache
+        chunks, budget = [], min(self.prefill_chunk, t_cap)
         for i in range(last - first):
-            if budget == 0:
-                break
-            c = min(int(plen[i] - tc[i]), budget)
-            chunks.append(c)
-            budget -= c
+            rest = int(plen[i] - tc[i])
+            chunks.append(min(rest, budget))
+            budget -= chunks[-1]
+            if budget == 0 or chunks[-1] < rest:
+                break  # a row served only in part ends the run: completions stay rows first, first + 1, ...
         p = len(chunks)
         chunk = np.array(chunks, np.int64)
         width = int(chunk.max())
-        t_cap = int((self.capacity - tc[:p]).min())  # pads must stay inside the cache too
-        if width > t_cap:
-            chunk = np.minimum(chunk, t_cap)
-            width = t_cap
         offsets = np.arange(width)
         pos = tc[:p, None] + offsets
         src = np.minimum(pos, self._tokens.shape[1] - 1)
