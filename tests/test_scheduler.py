@@ -321,3 +321,18 @@ def test_load_aware_k_drafts_when_it_pays_and_stops_when_the_batch_is_full():
     assert chosen.count(1) == 2 and set(chosen) == {0, 1}
     # a row that may draft only 2 caps the round's k for that row
     assert policy.choose(1, np.array([2])) <= 2
+
+
+def test_a_stream_left_early_is_cancelled(target, alone):
+    gen = Generator(target)
+    stream = gen.stream(make_prompt(80, 4), max_new_tokens=150)
+    for _ in stream:
+        break  # the loop's iterator is dropped here, which cancels the request
+    deadline = time.time() + 10
+    scheduler = gen.scheduler
+    while (scheduler.stats().requests_cancelled < 1 or scheduler.stats().running) and time.time() < deadline:
+        time.sleep(0.01)
+    assert scheduler.stats().requests_cancelled == 1 and scheduler.stats().running == 0
+    # the generator still serves the next request correctly
+    want = alone(make_prompt(81, 4), max_new_tokens=12).token_ids
+    assert gen.generate(make_prompt(81, 4), max_new_tokens=12).token_ids == want

@@ -46,7 +46,11 @@ class Stream:
         self.result: GenerationResult | None = None
 
     def __iter__(self):
-        yield from self._handle
+        try:
+            yield from self._handle
+        finally:
+            if not self._handle.done:  # the caller stopped iterating (break, Ctrl-C): free the row
+                self._handle.cancel()
         self.result = self._handle.result()
 
     def cancel(self):
@@ -93,7 +97,12 @@ class Generator:
         first_round = self.scheduler.round_log[-1][0] + 1 if self.scheduler.round_log else 0
         t0 = time.perf_counter()
         handles = self.scheduler.submit_many(prompts, params)
-        results = [h.result() for h in handles]
+        try:
+            results = [h.result() for h in handles]
+        except BaseException:  # Ctrl-C, or one request failed: the others stop too
+            for h in handles:
+                h.cancel()
+            raise
         if single:
             return results[0]
         after = self.scheduler.stats()
