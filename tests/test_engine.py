@@ -129,3 +129,36 @@ def test_build_refuses_to_overwrite_a_foreign_directory_and_replaces_its_own(exp
     build(exported("llama"), tmp_path / "eng")
     assert json.loads((out / "manifest.json").read_text())["files"] == first["files"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["eng", "mine"]  # no temp dirs left behind
+
+
+def test_a_call_over_later_rows_writes_only_those_rows_and_matches_hf(engine_dir, model_dir, hf_model):
+    engine = load_engine(engine_dir)
+    hf = hf_model(model_dir("llama-gqa-rope3"))
+    ids = random_ids(14, seed=11).reshape(2, 7)
+    engine.forward(random_ids(7, seed=12)[None], np.arange(7)[None])  # row 0 holds another sequence
+    before = [b.copy() for b in engine.cache.values()]
+    out = engine.forward(ids, np.tile(np.arange(7), (2, 1)), first_row=1)  # rows 1 and 2
+    for row in range(2):
+        np.testing.assert_allclose(out[row], hf_logits(hf, ids[row]), atol=TOL, rtol=0)
+    for buf, old in zip(engine.cache.values(), before):
+        np.testing.assert_array_equal(buf[0], old[0])
+    # the sequence in row 2 continues from row 0 after a move of its 7 slots, as if it had been there
+    engine.move_row(2, 0, 7)
+    nxt = random_ids(1, seed=13)
+    logits = engine.forward(nxt[None], np.array([[7]]))
+    np.testing.assert_allclose(logits[0, 0], hf_logits(hf, np.append(ids[1], nxt))[-1], atol=TOL, rtol=0)
+    with pytest.raises(CapacityError, match="rows 2..3 asked for but the engine holds 3"):
+        engine.forward(ids, np.tile(np.arange(7), (2, 1)), first_row=2)
+
+
+def test_a_saved_prefix_loaded_into_another_row_continues_the_same_sequence(engine_dir, model_dir, hf_model):
+    engine = load_engine(engine_dir)
+    hf = hf_model(model_dir("llama-gqa-rope3"))
+    ids = random_ids(9, seed=21)
+    engine.forward(ids[None, :8], np.arange(8)[None])
+    saved = engine.save_prefix(0, 8)
+    assert saved.nbytes == sum(b[0, :, :8].nbytes for b in engine.cache.values())
+    engine.reset()
+    engine.load_prefix(saved, 2)
+    logits = engine.forward(ids[None, 8:9].repeat(3, 0), np.full((3, 1), 8))
+    np.testing.assert_allclose(logits[2, 0], hf_logits(hf, ids)[-1], atol=TOL, rtol=0)

@@ -327,6 +327,17 @@ def test_each_present_output_is_bound_to_its_past_input_address():
     assert len(set(addresses[p] for p in MODEL["kv_aliases"].values())) == 4
 
 
+def test_a_call_over_later_rows_binds_the_cache_that_many_rows_in():
+    pointers = {"input_ids": 0x100, "position_ids": 0x200, "logits": 0x300}
+    pointers.update({past: 0x100000 * (i + 1) for i, past in enumerate(MODEL["kv_aliases"].values())})
+    row_bytes = 4 * 64 * 16 * 2  # Hkv * S_max * D * sizeof(float16)
+    shapes, addresses = call_bindings(MODEL, MODEL["kv_aliases"], 2, 5, pointers, first_row=3, row_bytes=row_bytes)
+    assert shapes["past_key_0"] == [2, 4, 64, 16]
+    for present, past in MODEL["kv_aliases"].items():
+        assert addresses[present] == addresses[past] == pointers[past] + 3 * row_bytes
+    assert addresses["logits"] == 0x300
+
+
 def test_a_plan_is_refused_on_another_tensorrt_version_or_gpu():
     manifest = {"tensorrt": {"version": "11.0.0.5", "compute_capability": "9.0"}}
     check_plan_compatible(manifest, "11.0.0.5", "9.0")

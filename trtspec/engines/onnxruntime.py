@@ -65,6 +65,8 @@ def fuses_qdq(manifest: dict) -> bool:
 
 
 class OnnxRuntimeEngine:
+    """The step graph on onnxruntime's CPU provider. Not thread-safe: see engines/base.py (Engine)."""
+
     backend = "onnxruntime"
 
     def __init__(self, path: Path, manifest: dict, *, num_threads: int | None = None):

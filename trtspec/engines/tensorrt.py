@@ -74,6 +74,8 @@ def _cuda_torch():
 
 
 class TensorRTEngine:
+    """A TensorRT plan with in-place KV cache bindings. Not thread-safe: see engines/base.py (Engine)."""
+
     backend = "tensorrt"
 
     def __init__(self, path: Path, manifest: dict):

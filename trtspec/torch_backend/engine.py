@@ -27,7 +27,9 @@ log = logging.getLogger("trtspec.torch")
 
 
 class TorchEngine:
-    """The engine protocol (engines/base.py) over a compiled torch module; see trtspec.compile()."""
+    """The engine protocol (engines/base.py) over a compiled torch module; see trtspec.compile().
+
+    Not thread-safe (engines/base.py); rows other than [0, B) (``first_row``) run eagerly."""
 
     backend = "torch"
 
