@@ -669,17 +669,19 @@ class Scheduler:
                 self._rows.append(r)
 
     def _round(self):
-        """One round: admit, then a verify round for the decoding rows and a chunk for the prompt-reading rows."""
+        """One round: admit, then a chunk for the prompt-reading rows and a verify round for the decoding rows."""
         self._admit()
         with self._cv:
             for r in self._rows:
                 if r.cancelled and r.finish_reason is None:
                     r.finish_reason = "cancelled"
         self._retire()
-        if self._decoding:
-            self._decode_round()
+        # prompts first: a row that finishes reading its prompt emits its first token now and verifies in
+        # this very round, instead of waiting one decode call longer
         if len(self._rows) > self._decoding:
             self._prefill_round()
+        if self._decoding:
+            self._decode_round()
         self._retire()
 
     def _decode_round(self):
