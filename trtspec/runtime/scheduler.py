@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
-import queue
 import threading
 import time
 import uuid
@@ -433,9 +432,7 @@ class Scheduler:
         self.round_log: deque = deque(maxlen=1 << 16)  # (round number, k chosen, rows)
 
     def _check_k(self, k, allow_any=False):
-        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
-            raise ValueError(f"num_draft_tokens must be an integer >= 1, got {k!r}")
-        if k == 0:
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"num_draft_tokens must be an integer >= 1, got {k!r}")
         if k not in self.allowed_k and not (allow_any and k <= (self.allowed_k[-1] if self.allowed_k else 0)):
             shown = f"{self.allowed_k[:8]}{'...' if len(self.allowed_k) > 8 else ''}"
