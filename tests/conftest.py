@@ -66,7 +66,22 @@ def random_ids(n: int, seed: int = 0, vocab: int = 300) -> np.ndarray:
     return np.random.default_rng(seed).integers(3, vocab, size=n)
 
 
-__all__ = ["ARCHITECTURES", "MAX_BATCH", "S_MAX", "hf_logits", "random_ids"]
+class WrappedEngine:
+    """An engine seen through a hook: ``before(ids, pos, first_row)`` runs ahead of each forward (to record
+    calls, slow them down or make them fail); everything else is the engine's own."""
+
+    def __init__(self, engine, before):
+        self.engine, self.before = engine, before
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def forward(self, ids, pos, first_row=0):
+        self.before(ids, pos, first_row)
+        return self.engine.forward(ids, pos, first_row=first_row)
+
+
+__all__ = ["ARCHITECTURES", "MAX_BATCH", "S_MAX", "WrappedEngine", "hf_logits", "random_ids"]
 
 
 @pytest.fixture(scope="session")

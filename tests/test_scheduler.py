@@ -9,6 +9,7 @@ import time
 import numpy as np
 import pytest
 
+from conftest import WrappedEngine
 from trtspec import Generator, Scheduler, load_engine
 from trtspec.engines.base import lease
 from trtspec.runtime.adaptive import LoadAwareK
@@ -190,21 +191,11 @@ def test_the_prefix_cache_is_bounded_and_evicts_least_recently_used(target):
 def test_a_long_prompt_is_read_in_chunks_while_other_rows_keep_emitting(target, draft, alone):
     calls = []
 
-    class Recording:
-        def __init__(self, engine):
-            self.engine = engine
-
-        def __getattr__(self, name):
-            return getattr(self.engine, name)
-
-        def forward(self, ids, pos, first_row=0):
-            calls.append((first_row, ids.shape, pos[:, 0].copy()))
-            return self.engine.forward(ids, pos, first_row=first_row)
-
     long_prompt = make_prompt(31, 30)
     expected = [alone(long_prompt, max_new_tokens=5).token_ids, alone(make_prompt(30, 4), max_new_tokens=150).token_ids]
     # (the wrapper hides the engine from the lease that serialises schedulers: no other may run meanwhile)
-    scheduler = Scheduler(Recording(target), draft, num_draft_tokens=2, k_policy="fixed", prefill_chunk=8)
+    recording = WrappedEngine(target, lambda ids, pos, first: calls.append((first, ids.shape, pos[:, 0].copy())))
+    scheduler = Scheduler(recording, draft, num_draft_tokens=2, k_policy="fixed", prefill_chunk=8)
     running = scheduler.submit(make_prompt(30, 4), max_new_tokens=150)
     next(iter(running))
     n_long = len(scheduler.tokenizer(long_prompt)["input_ids"])
@@ -268,24 +259,14 @@ def test_bad_requests_are_refused_before_queuing_and_disturb_no_other(target, dr
 
 
 def test_an_engine_failure_fails_the_requests_in_flight_and_the_scheduler_keeps_serving(target, alone):
-    class Failing:
-        def __init__(self, engine):
-            self.engine = engine
-            self.fail_at = None
-            self.calls = 0
+    calls = []
 
-        def __getattr__(self, name):
-            return getattr(self.engine, name)
+    def fail_the_fifth_call(*_):
+        calls.append(1)
+        if len(calls) == 5:
+            raise RuntimeError("simulated engine failure")
 
-        def forward(self, ids, pos, first_row=0):
-            self.calls += 1
-            if self.calls == self.fail_at:
-                raise RuntimeError("simulated engine failure")
-            return self.engine.forward(ids, pos, first_row=first_row)
-
-    engine = Failing(target)
-    scheduler = Scheduler(engine)
-    engine.fail_at = 5
+    scheduler = Scheduler(WrappedEngine(target, fail_the_fifth_call))
     doomed = [scheduler.submit(make_prompt(70 + i, 5), max_new_tokens=30) for i in range(2)]
     for h in doomed:
         with pytest.raises(RuntimeError, match="simulated engine failure"):

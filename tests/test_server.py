@@ -18,6 +18,7 @@ import openai
 import pytest
 import uvicorn
 
+from conftest import WrappedEngine
 from trtspec import Generator, Scheduler, export, load_engine
 from trtspec.engines.base import lease
 from trtspec.server import create_app
@@ -247,22 +248,15 @@ def test_a_full_queue_answers_429_with_retry_after(target):
 
 
 def test_an_engine_failure_is_a_500_for_the_requests_in_flight_only(target, alone):
-    class Failing:
-        def __init__(self, engine):
-            self.engine, self.fail = engine, False
+    armed = []
 
-        def __getattr__(self, name):
-            return getattr(self.engine, name)
+    def fail_once_armed(*_):
+        if armed:
+            armed.clear()
+            raise RuntimeError("device lost")
 
-        def forward(self, ids, pos, first_row=0):
-            if self.fail:
-                self.fail = False
-                raise RuntimeError("device lost")
-            return self.engine.forward(ids, pos, first_row=first_row)
-
-    engine = Failing(target)
-    with Server(create_app(Scheduler(engine), model_name="tiny")) as s:
-        engine.fail = True
+    with Server(create_app(Scheduler(WrappedEngine(target, fail_once_armed)), model_name="tiny")) as s:
+        armed.append(True)  # after the warm-up
         with pytest.raises(openai.InternalServerError, match="device lost"):
             s.client().completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=5, temperature=0)
         out = s.client().completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=5, temperature=0)
@@ -271,22 +265,8 @@ def test_an_engine_failure_is_a_500_for_the_requests_in_flight_only(target, alon
         assert 'trtspec_requests_total{endpoint="completions",status="500"} 1.0' in metrics
 
 
-class Slow:
-    """An engine whose calls take 20 ms: a request lasts long enough to be interrupted."""
-
-    def __init__(self, engine):
-        self.engine = engine
-
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
-
-    def forward(self, ids, pos, first_row=0):
-        time.sleep(0.02)
-        return self.engine.forward(ids, pos, first_row=first_row)
-
-
 def test_a_client_that_disconnects_mid_stream_cancels_its_request(target):
-    scheduler = Scheduler(Slow(target))
+    scheduler = Scheduler(WrappedEngine(target, lambda *_: time.sleep(0.02)))  # a request long enough to interrupt
     with Server(create_app(scheduler, model_name="tiny")) as s:
         body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 100, "temperature": 0, "stream": True}
         with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=30) as r:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import MAX_BATCH, S_MAX
+from conftest import MAX_BATCH, S_MAX, WrappedEngine
 from trtspec import Generator, VocabularyMismatchError, export, load_engine
 from trtspec.runtime import speculative as speculative_module
 
@@ -73,20 +73,10 @@ def test_load_aware_k_is_lossless_and_stays_within_bounds(target, exported, refe
 def test_finished_rows_leave_the_batch(target, exported):
     calls = []
 
-    class Recording:
-        def __init__(self, engine):
-            self.engine = engine
-
-        def __getattr__(self, name):
-            return getattr(self.engine, name)
-
-        def forward(self, ids, pos, first_row=0):
-            calls.append(ids.shape[0])
-            return self.engine.forward(ids, pos, first_row=first_row)
-
     long_prompt = "x " * 45  # fills most of the 64-slot cache: this row ends early with "length"
     prompts = [PROMPTS[0], long_prompt, PROMPTS[2]]
-    gen = Generator(Recording(target), exported(ARCH), num_draft_tokens=3)
+    gen = Generator(WrappedEngine(target, lambda ids, pos, first: calls.append(ids.shape[0])), exported(ARCH),
+                    num_draft_tokens=3)
     assert S_MAX - 30 < len(gen.tokenizer(long_prompt)["input_ids"]) < S_MAX
     out = gen.generate(prompts, max_new_tokens=30)
     assert out[1].finish_reason == "length" and len(out[1].token_ids) < 30

@@ -27,13 +27,13 @@ import threading
 import time
 import uuid
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from ..engines import load_engine
-from ..engines.base import lease
+from ..engines.base import SavedPrefix, lease
 from ..errors import CapacityError
 from .adaptive import LoadAwareK
 from .drafters import DraftModelDrafter, NoDrafter, PromptLookupDrafter
@@ -94,8 +94,6 @@ class RequestStats:
         self.accepted_histogram[accepted] += 1
 
     def to_dict(self) -> dict:
-        from dataclasses import asdict
-
         d = asdict(self)
         d.update(
             tokens_per_s=self.tokens_per_s,
@@ -235,7 +233,6 @@ class AsyncRequestHandle:
         self._scheduler = scheduler
         self._request = request
         self.id = request.id
-        self.prompt_tokens = int(request.prompt_ids.size)
         self._queue: asyncio.Queue = asyncio.Queue()
         self.result: GenerationResult | None = None
 
@@ -409,7 +406,6 @@ class Scheduler:
         if drafter != "none":
             self._check_k(num_draft_tokens, allow_any=k_policy == "load-aware")
         self.num_draft_tokens = num_draft_tokens if drafter != "none" else 0
-        self.k_policy = k_policy
         self.policy = LoadAwareK(self.num_draft_tokens, self.allowed_k) if k_policy == "load-aware" else None
         self.prefill_chunk = prefill_chunk
         self.sampling = sampling
@@ -901,6 +897,4 @@ class Scheduler:
 
 def _head(block, n):
     """The first n slots of a saved prefix block."""
-    from ..engines.base import SavedPrefix
-
     return SavedPrefix([p[:, :n] for p in block.parts])
