@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH)" || $(PY) -c "import torch"
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,ray]'
 	touch $@
 
 .PHONY: setup demo test bench
@@ -34,4 +34,5 @@ bench: setup engines/stdlib-target/manifest.json engines/stdlib-draft/manifest.j
 	$(PY) benchmarks/bench_quant.py
 	$(PY) benchmarks/bench_batching.py
 	$(PY) benchmarks/bench_serve.py
+	$(PY) benchmarks/bench_ray.py
 	$(PY) -m pytest benchmarks -q

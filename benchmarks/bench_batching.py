@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, ROOT  # noqa: E402
+from common import RESULTS, ROOT, save_results  # noqa: E402
 
 from trtspec import Scheduler, build, export, load_engine  # noqa: E402
 
@@ -205,10 +205,7 @@ def main(argv=None):
     res["prefix"] = bench_prefix(target, draft, args.repeats)
     print(json.dumps(res["prefix"], indent=1), flush=True)
     res["load"] = bench_load(target, draft, args.concurrency, args.ks, args.repeats, args.requests)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(res, indent=1))
-    args.out.with_suffix(".md").write_text(markdown(res))
-    print(markdown(res))
+    save_results(args.out, res, markdown(res))
 
 
 if __name__ == "__main__":

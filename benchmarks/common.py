@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from pathlib import Path
@@ -56,3 +57,11 @@ def median_time(fn, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - t)
     return statistics.median(times)
+
+
+def save_results(out: Path, res: dict, table: str):
+    """``out``.json (everything measured) and ``out``.md (the table), printed too."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(res, indent=1))
+    out.with_suffix(".md").write_text(table)
+    print(table)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import numpy as np
 import pytest
 
@@ -112,3 +114,28 @@ def perturbed_export(tmp_path_factory, model_dir):
         return cache[key]
 
     return get
+
+
+ARCH = "llama-gqa-rope3"  # the serving tests' model
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def chat_export(tmp_path_factory):
+    """A tiny model whose tokenizer has a chat template, exported with 128 positions and 4 rows."""
+    from transformers import AutoTokenizer
+
+    from trtspec import export
+
+    src = make_tiny_model(ARCH, tmp_path_factory.mktemp("hf-chat"), seed=0)
+    tok = AutoTokenizer.from_pretrained(src)
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(src)
+    return export(src, tmp_path_factory.mktemp("export-chat") / "a", max_seq_len=128, max_batch=4)

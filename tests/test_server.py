@@ -6,7 +6,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,34 +17,12 @@ import openai
 import pytest
 import uvicorn
 
-from conftest import WrappedEngine
-from trtspec import Generator, Scheduler, export, load_engine
+from conftest import ARCH, WrappedEngine, free_port
+from trtspec import Generator, Scheduler, load_engine
 from trtspec.engines.base import lease
 from trtspec.server import create_app
-from trtspec.testing import make_tiny_model
 
-ARCH = "llama-gqa-rope3"
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 PROMPTS = ["def add(a, b):", "The quick brown fox jumps over the lazy dog. The quick", "import os", "class Stack:"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def chat_export(tmp_path_factory):
-    """A tiny model whose tokenizer has a chat template."""
-    from transformers import AutoTokenizer
-
-    src = make_tiny_model(ARCH, tmp_path_factory.mktemp("hf-chat"), seed=0)
-    tok = AutoTokenizer.from_pretrained(src)
-    tok.chat_template = CHAT_TEMPLATE
-    tok.save_pretrained(src)
-    return export(src, tmp_path_factory.mktemp("export-chat") / "a", max_seq_len=128, max_batch=4)
 
 
 @pytest.fixture(scope="module")

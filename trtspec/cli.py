@@ -238,8 +238,26 @@ def _add_serve(sub):
     p.add_argument("--threads", type=_positive_int, help="onnxruntime intra-op threads (default: all cores)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish requests on SIGTERM")
     p.add_argument("--log-prompts", action="store_true", help="log prompt text with each request (off by default)")
+    ray = p.add_argument_group("Ray Serve (pip install 'trtspec[ray]')")
+    ray.add_argument("--ray", action="store_true",
+                     help="serve as a Ray Serve application: engine replicas behind one endpoint")
+    ray.add_argument("--replicas", type=_positive_int, default=1, help="engine replicas (default 1)")
+    ray.add_argument("--autoscale", metavar="MIN:MAX",
+                     help="autoscale between MIN and MAX replicas on ongoing requests (instead of --replicas)")
+    ray.add_argument("--ray-address", help="join this Ray cluster (e.g. auto, or HEAD_IP:6379); default: start a local one")
+    ray.add_argument("--router", choices=["prefix", "pow2"], default="prefix",
+                     help="prefix: to the replica holding the prompt's prefix unless overloaded (default); "
+                          "pow2: Ray's power of two choices")
+    ray.add_argument("--ray-metrics-port", type=int,
+                     help="a local Ray's Prometheus endpoint (replica and Ray Serve metrics); default: Ray picks")
+    ray.add_argument("--direct-ingress", action="store_true",
+                     help="the ingress replica listens on --port itself, no Ray HTTP proxy (lower latency; one "
+                          "ingress replica per node)")
+    ray.add_argument("--gpus-per-replica", type=float, default=0.0, help="GPUs each replica reserves (default 0)")
 
     def run(args):
+        if args.ray:
+            return _serve_ray(args)
         from pathlib import Path
 
         from .runtime import Scheduler
@@ -261,6 +279,33 @@ def _add_serve(sub):
         serve(app, host=args.host, port=args.port, drain_timeout=args.drain_timeout)
 
     p.set_defaults(run=run)
+
+
+def _serve_ray(args):
+    try:
+        from .server.ray_app import build_app
+        from .server.run import serve_ray
+    except ImportError as exc:
+        raise SystemExit(f"trtspec serve --ray: {exc}") from None
+    config = dict(target=args.target, draft=args.draft, drafter=args.drafter, num_draft_tokens=args.num_draft_tokens,
+                  k_policy=args.k_policy, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk,
+                  prefix_cache_mb=args.prefix_cache_mb, num_threads=args.threads or 1, router=args.router,
+                  max_queue=args.max_queue, gpus_per_replica=args.gpus_per_replica,
+                  system_prompts=args.system_prompt, model_name=args.served_model_name, api_key=args.api_key,
+                  log_prompts=args.log_prompts, replicas=args.replicas)
+    if args.autoscale:
+        try:
+            low, high = (int(x) for x in args.autoscale.split(":"))
+            assert 0 <= low <= high and high >= 1
+        except (ValueError, AssertionError):
+            raise SystemExit(f"--autoscale wants MIN:MAX with 0 <= MIN <= MAX, MAX >= 1; got {args.autoscale!r}") from None
+        config["autoscale"] = {"min_replicas": low, "max_replicas": high, "initial_replicas": max(low, 1)}
+    try:
+        app = build_app(config)
+    except ValueError as exc:
+        raise SystemExit(f"trtspec serve --ray: {exc}") from None
+    serve_ray(app, host=args.host, port=args.port, address=args.ray_address, metrics_port=args.ray_metrics_port,
+              direct_ingress=args.direct_ingress)
 
 
 def _add_bench_serve(sub):

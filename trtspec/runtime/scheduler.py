@@ -110,6 +110,7 @@ class GenerationResult:
     token_ids: list[int]
     finish_reason: str  # "stop" (EOS or a stop string), "length" (max_new_tokens or capacity), "cancelled"
     stats: RequestStats
+    replica: str | None = None  # the server replica that produced it (set by the Ray Serve front)
 
 
 @dataclass
@@ -236,17 +237,27 @@ class AsyncRequestHandle:
         self._queue: asyncio.Queue = asyncio.Queue()
         self.result: GenerationResult | None = None
 
+    async def start(self):
+        """Nothing to wait for here (the request is queued); a remote handle's ``start`` waits to be routed."""
+
     async def __aiter__(self):
+        """Text deltas; what has arrived together comes as one piece, and when that includes the end,
+        ``result`` is already set as the last piece is handed out."""
         try:
             while True:
-                kind, value = await self._queue.get()
+                events = [await self._queue.get()]
+                while not self._queue.empty():
+                    events.append(self._queue.get_nowait())
+                text = "".join(v for k, v in events if k == "delta")
+                kind, value = events[-1]
                 if kind == "error":
                     raise value
                 if kind == "done":
                     self.result = value
+                if text:
+                    yield text
+                if kind == "done":
                     return
-                if value:
-                    yield value
         finally:
             if self.result is None and self._request.finish_reason is None:
                 self.cancel()  # the consumer went away (or was cancelled): free the row
@@ -323,6 +334,30 @@ def _load_tokenizer(engine):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(Path(engine.path) / engine.manifest["tokenizer"])
+
+
+def encode_prompt(tokenizer, prompt, *, vocab_size: int, bos_id: int | None, capacity: int) -> np.ndarray:
+    """Token ids of a prompt (a string, or a list of token ids), checked against an engine's capacity."""
+    if isinstance(prompt, str):
+        ids = tokenizer(prompt)["input_ids"]
+    elif isinstance(prompt, (list, tuple, np.ndarray)) and all(
+        isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt
+    ):
+        ids = [int(t) for t in prompt]
+        if any(not 0 <= t < vocab_size for t in ids):
+            raise ValueError(f"prompt token ids must lie in [0, {vocab_size})")
+    else:
+        raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+    if not ids:
+        if bos_id is None:
+            raise ValueError("empty prompt and the tokenizer has no BOS token to start from")
+        ids = [bos_id]
+    if len(ids) >= capacity:
+        raise CapacityError(
+            f"prompt has {len(ids)} tokens but the engine holds {capacity} positions (prompt and "
+            f"output together); shorten the prompt or re-export with --max-seq-len {2 * len(ids)}"
+        )
+    return np.asarray(ids, dtype=np.int64)
 
 
 class Scheduler:
@@ -425,6 +460,7 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._stats = SchedulerStats()
+        self.failure: Exception | None = None  # the last engine error (a server reports itself unhealthy on it)
         self.round_log: deque = deque(maxlen=1 << 16)  # (round number, k chosen, rows)
 
     def _check_k(self, k, allow_any=False):
@@ -438,27 +474,8 @@ class Scheduler:
 
     def encode(self, prompt) -> np.ndarray:
         """Token ids of a prompt (a string, or a list of token ids), checked against the engines' capacity."""
-        if isinstance(prompt, str):
-            ids = self.tokenizer(prompt)["input_ids"]
-        elif isinstance(prompt, (list, tuple, np.ndarray)) and all(
-            isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt
-        ):
-            ids = [int(t) for t in prompt]
-            vocab = self.target.vocab_size
-            if any(not 0 <= t < vocab for t in ids):
-                raise ValueError(f"prompt token ids must lie in [0, {vocab})")
-        else:
-            raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        if not ids:
-            if self.bos_id is None:
-                raise ValueError("empty prompt and the tokenizer has no BOS token to start from")
-            ids = [self.bos_id]
-        if len(ids) >= self.capacity:
-            raise CapacityError(
-                f"prompt has {len(ids)} tokens but the engine holds {self.capacity} positions (prompt and "
-                f"output together); shorten the prompt or re-export with --max-seq-len {2 * len(ids)}"
-            )
-        return np.asarray(ids, dtype=np.int64)
+        return encode_prompt(self.tokenizer, prompt, vocab_size=self.target.vocab_size, bos_id=self.bos_id,
+                             capacity=self.capacity)
 
     def make_request(self, prompt, *, max_new_tokens=128, temperature=0.0, top_k=None, top_p=None, seed=None,
                      stop=None, num_draft_tokens=None, priority=0, sink=None, prefix_only=False) -> _Request:
@@ -607,6 +624,7 @@ class Scheduler:
 
     def _fail_running(self, exc):
         with self._cv:
+            self.failure = exc
             rows, self._rows = self._rows, []
             self._decoding = 0
             self._stats.requests_failed += len(rows)

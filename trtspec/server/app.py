@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import CapacityError
-from ..runtime.scheduler import RequestFailedError, Scheduler
+from ..runtime.scheduler import RequestFailedError
 from .metrics import Metrics
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, unsupported
 
@@ -33,18 +33,25 @@ class _State:
         self.draining = False
 
 
-def create_app(scheduler: Scheduler, *, model_name: str, api_key: str | None = None, max_queue: int | None = None,
+def create_app(scheduler, *, model_name: str, api_key: str | None = None, max_queue: int | None = None,
                log_prompts: bool = False, warmup: bool = True) -> FastAPI:
     """An ASGI app serving ``scheduler`` as OpenAI's /v1/completions and /v1/chat/completions.
+
+    ``scheduler``: a runtime Scheduler, or anything with its front (``encode``, ``submit_async``, ``capacity``,
+    ``tokenizer``...), e.g. ray_app.RemoteScheduler, whose engines live in other processes; an async
+    ``connect()`` on it is awaited at startup.
 
     ``max_queue``: waiting requests beyond which new ones get 429; ``api_key``: required bearer token.
     ``app.state.trtspec.draining = True`` makes it refuse new generations with 503 (SIGTERM does it).
     """
     state = _State()
-    metrics = Metrics(scheduler)
+    metrics = Metrics(getattr(scheduler, "stats", None))
 
     @asynccontextmanager
     async def lifespan(app):
+        connect = getattr(scheduler, "connect", None)
+        if connect is not None:
+            await connect()
         if warmup:  # one short generation: sessions initialised, first-call costs paid before /health says ok
             bos = scheduler.bos_id if scheduler.bos_id is not None else 0
             await scheduler.agenerate([bos], max_new_tokens=2)
@@ -186,6 +193,13 @@ def create_app(scheduler: Scheduler, *, model_name: str, api_key: str | None = N
     async def respond(request, kind, body, ids, params, logged_prompt):
         t0 = time.perf_counter()
         handle = submit(ids, params)
+        try:
+            await handle.start()  # a remote scheduler routes the request here (and may refuse it)
+        except (ValueError, TypeError) as exc:
+            raise APIError(400, str(exc)) from None
+        except RequestFailedError as exc:
+            metrics.request_done("chat" if kind == "chat.completion" else "completions", 500)
+            raise APIError(500, str(exc), type="server_error") from None
         rid = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         endpoint = "chat" if kind == "chat.completion" else "completions"
@@ -279,4 +293,5 @@ def _speculation(result) -> dict:
     return {"acceptance_rate": s.acceptance_rate, "accepted": s.accepted, "proposed": s.proposed,
             "mean_tokens_per_target_call": s.mean_tokens_per_target_call, "target_calls": s.target_calls,
             "prefix_tokens_reused": s.prefix_tokens_reused, "queue_s": s.queue_s,
-            "time_to_first_token_s": s.time_to_first_token_s}
+            "time_to_first_token_s": s.time_to_first_token_s,
+            **({"replica": result.replica} if getattr(result, "replica", None) else {})}

@@ -12,11 +12,11 @@ _ITL_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
 class _SchedulerCollector:
     """Read at scrape time from Scheduler.stats(): never out of date, nothing to update per round."""
 
-    def __init__(self, scheduler):
-        self.scheduler = scheduler
+    def __init__(self, stats):
+        self.stats = stats
 
     def collect(self):
-        s = self.scheduler.stats()
+        s = self.stats()
         yield GaugeMetricFamily("trtspec_running_requests", "Requests in engine rows", value=s.running)
         yield GaugeMetricFamily("trtspec_queue_depth", "Requests waiting for an engine row", value=s.waiting)
         yield GaugeMetricFamily("trtspec_prefix_cache_bytes", "KV bytes held by the prefix cache", value=s.prefix_cache_bytes)
@@ -39,7 +39,10 @@ class _SchedulerCollector:
 
 
 class Metrics:
-    def __init__(self, scheduler):
+    """``stats``: a scheduler's ``stats`` method, read at each scrape (None: request metrics only, e.g. a
+    Ray Serve ingress whose schedulers live in the engine replicas and export their own)."""
+
+    def __init__(self, stats=None):
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("trtspec_requests", "Requests by endpoint and HTTP status", ["endpoint", "status"],
@@ -53,7 +56,8 @@ class Metrics:
                              buckets=_ITL_BUCKETS, registry=r)
         self.e2e = Histogram("trtspec_request_latency_seconds", "Submission to last token", buckets=_LATENCY_BUCKETS,
                              registry=r)
-        r.register(_SchedulerCollector(scheduler))
+        if stats is not None:
+            r.register(_SchedulerCollector(stats))
 
     def request_done(self, endpoint: str, status: int, result=None):
         self.requests.labels(endpoint, str(status)).inc()
