@@ -32,10 +32,11 @@ from common import RESULTS, ROOT, WORK
 # row name -> quantize() options
 MODES = {"int8-wo": {"mode": "int8-wo"}, "int8-sq": {"mode": "int8-sq"}, "fp8": {"mode": "fp8"}}
 for _b in (32, 64, 128):
-    for _mode in ("int4-rtn", "int4-awq"):
+    for _mode in ("int4-rtn", "int4-awq", "int4-gptq"):
         MODES[f"{_mode}-b{_b}"] = {"mode": _mode, "block_size": _b}
 for _b in (32, 128):  # lm_head (8192 x 512, a third of the float32 bytes read per token) in INT4 too
-    MODES[f"int4-awq-b{_b}+lm_head"] = {"mode": "int4-awq", "block_size": _b, "quantize_lm_head": True}
+    for _mode in ("int4-awq", "int4-gptq"):
+        MODES[f"{_mode}-b{_b}+lm_head"] = {"mode": _mode, "block_size": _b, "quantize_lm_head": True}
 
 
 def log_probs(engine, windows: list[np.ndarray]) -> list[np.ndarray]:
@@ -80,8 +81,11 @@ def main():
     parser.add_argument("--eval-texts", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5, help="interleaved speed rounds (medians are quoted)")
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), help="rows to run (default: all)")
+    parser.add_argument("--out", default="quant", help="results name under benchmarks/results (default quant)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    modes = {name: MODES[name] for name in (args.modes or MODES)}
     work = WORK / "quant"
     prompts = load_prompts(ROOT / "models" / "heldout.json")
     from transformers import AutoTokenizer
@@ -94,7 +98,7 @@ def main():
     exports = {"float32": export(ROOT / "models" / "stdlib-target", work / "export" / "float32", max_seq_len=512, max_batch=1)}
     draft_fp = export(ROOT / "models" / "stdlib-draft", work / "export" / "draft-float32", max_seq_len=512, max_batch=1)
     report = {}
-    for name, options in MODES.items():
+    for name, options in modes.items():
         t = time.perf_counter()
         exports[name] = quantize(exports["float32"], work / "export" / name, **options)
         report[name] = {"quantize_s": time.perf_counter() - t}
@@ -153,6 +157,9 @@ def main():
     drafts = {"float32": draft_fp}
     for mode in ("int4-rtn", "int4-awq"):
         drafts[mode] = quantize(draft_fp, work / "export" / f"draft-{mode}", mode=mode, block_size=32)
+    # the draft's lm_head is tied to its embedding: both in INT4, one copy
+    drafts["int4-awq+lm_head"] = quantize(draft_fp, work / "export" / "draft-int4-awq+lm_head", mode="int4-awq",
+                                          block_size=32, quantize_lm_head=True)
     draft_rows = {}
     for name, exp in drafts.items():
         engine = load_engine(build(exp, work / "engines" / f"draft-{name}"), num_threads=2)
@@ -168,7 +175,7 @@ def main():
     result = {"target": rows, "draft": draft_rows, "eval": {"texts": len(windows), "tokens": int(sum(map(len, windows))),
               "window": args.window}, "minutes": (time.perf_counter() - start) / 60}
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "quant.json").write_text(json.dumps(result, indent=2) + "\n")
+    (RESULTS / f"{args.out}.json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [
         f"Target perplexity on {len(windows)} held-out texts ({result['eval']['tokens']} tokens); decode = one call "
         "at position 128; greedy = 8 prompts x 64 tokens; both medians of 5 interleaved rounds.",
@@ -190,7 +197,7 @@ def main():
         lines.append(f"| {name} | {r['size_mb']:.1f} | {r['draft_decode_ms']:.2f} | {r['alpha']:.3f} | "
                      f"{r['alpha_change_points']:+.1f} | {r['accepted_per_proposed']:.3f} | {r['tokens_per_target_call']:.2f} | "
                      f"{r['lossless']} |")
-    (RESULTS / "quant.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / f"{args.out}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -15,7 +15,7 @@ WORK = ROOT / "models" / "bench"
 
 
 def random_llama(out_dir: Path, *, seed: int = 0, hidden: int = 512, layers: int = 8, heads: int = 8,
-                 kv_heads: int = 4, intermediate: int = 1376, vocab: int = 8000) -> Path:
+                 kv_heads: int = 4, intermediate: int = 1376, vocab: int = 8000, tied: bool = False) -> Path:
     """A random-init Llama (default ~31M parameters) with the tiny test tokenizer, saved as an HF directory."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
@@ -28,7 +28,7 @@ def random_llama(out_dir: Path, *, seed: int = 0, hidden: int = 512, layers: int
     config = LlamaConfig(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=tied,
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)

@@ -18,8 +18,8 @@ from trtspec.quantization import CalibrationError, numerics, qdq_violations, qua
 from trtspec.quantization import passes
 from trtspec.quantization.report import QuantizationReport
 
-MODES = ("int8-wo", "int8-sq", "fp8", "int4-rtn", "int4-awq")
-CALIB = {"int8-sq": 8, "fp8": 8, "int4-awq": 8}  # calibration windows: few, to keep the suite fast
+MODES = ("int8-wo", "int8-sq", "fp8", "int4-rtn", "int4-awq", "int4-gptq")
+CALIB = {"int8-sq": 8, "fp8": 8, "int4-awq": 8, "int4-gptq": 8}  # calibration windows: few, to keep the suite fast
 
 
 @pytest.fixture(scope="session")
@@ -55,7 +55,7 @@ def ref_int4(w, block):
     for b in range(0, w.shape[0], block):
         for n in range(w.shape[1]):
             col = w[b : b + block, n].astype(np.float32)
-            s = np.float32(np.abs(col).max()) / np.float32(7)
+            s = np.float32(np.abs(col).max()) / np.float32(7) or np.float32(1)  # an all-zero block: any scale
             out[b : b + block, n] = [max(-8, min(7, round(float(v / s)))) * s for v in col]
     return out
 
@@ -329,7 +329,7 @@ def test_weight_only_graphs_equal_the_hf_model_with_reference_quantized_weights(
 
 # Bounds on the tiny random model (weights x4, so no outlier structure for calibration to exploit):
 # max |logit error| / max |logit| of the onnxruntime engine vs float32.
-BOUNDS = {"int8-wo": 0.05, "int8-sq": 0.1, "fp8": 0.25, "int4-rtn": 0.4, "int4-awq": 0.4}
+BOUNDS = {"int8-wo": 0.05, "int8-sq": 0.1, "fp8": 0.25, "int4-rtn": 0.4, "int4-awq": 0.4, "int4-gptq": 0.4}
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -348,8 +348,8 @@ def test_onnxruntime_engine_runs_int4_in_matmul_nbits_and_stays_close_to_the_qdq
     kernels = json.loads((fused / "manifest.json").read_text())["build"]["kernels"]
     assert kernels == {"MatMulNBits": 14}
     unfused = build(out, out.parent / "unfused", fuse_qdq=False)
-    # unfused, onnxruntime dequantizes the constant weights once, when it optimises the graph
-    assert json.loads((unfused / "manifest.json").read_text())["build"]["kernels"] == {}
+    # unfused, the engine keeps the Q/DQ graph (INT4 on disk); onnxruntime dequantizes the weights when it loads it
+    assert json.loads((unfused / "manifest.json").read_text())["build"]["kernels"] == {"DequantizeLinear": 14}
     ids = np.asarray(random_ids(12, seed=7))
     a = load_engine(fused).forward(ids[None], np.arange(12)[None])[0]
     b = load_engine(unfused).forward(ids[None], np.arange(12)[None])[0]
@@ -412,7 +412,8 @@ def test_quantizing_a_quantized_artifact_is_refused(quantized, tmp_path):
 
 
 @pytest.mark.parametrize("options,message", [
-    ({"mode": "int3"}, "unknown quantization mode 'int3'; choose one of int8-wo, int8-sq, fp8, int4-rtn, int4-awq"),
+    ({"mode": "int3"}, "unknown quantization mode 'int3'; choose one of int8-wo, int8-sq, fp8, int4-rtn, int4-awq, int4-gptq"),
+    ({"mode": "int4-awq", "act_order": False}, "act_order (--no-act-order) applies only to int4-gptq, not int4-awq"),
     ({"mode": "int4-rtn", "block_size": 48}, "block size 48 is not supported; choose one of 32, 64, 128"),
     ({"mode": "int8-wo", "block_size": 32}, "--block-size applies only to the int4 modes, not int8-wo"),
     ({"mode": "int4-rtn", "calib_samples": 4}, "int4-rtn does not calibrate"),
@@ -488,3 +489,146 @@ def test_float16_exports_get_float16_scales_and_pass_the_rules(exported, tmp_pat
         assert all(np.isfinite(w).all() for w in after.values())
     else:
         assert set(after) == set(before)
+
+
+# -- tied embeddings, engine bytes, GPTQ, self-draft ----------------------------------------------------
+
+
+def _initializers(path) -> dict:
+    model = onnx.load(str(path / "model.onnx"))
+    return {i.name: i for i in model.graph.initializer}, model
+
+
+def _prefill_then_decode(engine, ids):
+    """Logits [T, V]: a prefill of all but the last token, then one decode call for the last."""
+    ids = np.asarray(ids, dtype=np.int64)
+    n = len(ids)
+    head = engine.forward(ids[None, :-1], np.arange(n - 1)[None])[0].copy()
+    last = engine.forward(ids[None, -1:], np.array([[n - 1]]))[0].copy()
+    return np.concatenate([head, last])
+
+
+def test_tied_int4_stores_the_shared_weight_once_and_matches_the_reference(quantized, model_dir):
+    """--quantize-lm-head on a tied model: one INT4 table feeds the embedding and the lm_head (TensorRT's
+    Q/DQ form, `trtspec check` passes); the graph equals the HF model whose Linear weights and tied table
+    were quantized by the reference, in prefill and decode."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = quantized("llama", "int4-rtn", quantize_lm_head=True)
+    inits, model = _initializers(out)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir("llama")).eval()
+    v, h = hf.model.embed_tokens.weight.shape
+    assert not [n for n, i in inits.items() if tuple(i.dims) == (v, h) and i.data_type == TensorProto.FLOAT]
+    (table,) = [n for n, i in inits.items() if tuple(i.dims) == (v, h)]
+    assert inits[table].data_type == TensorProto.INT4 and len(inits[table].raw_data) == v * h // 2
+    dq = next(n for n in model.graph.node if n.op_type == "DequantizeLinear" and n.input[0] == table)
+    users = sorted(n.op_type for n in model.graph.node if dq.output[0] in n.input)
+    assert users == ["Gather", "Transpose"]
+    assert qdq_violations(model) == [] and check_export(out) == []
+    entries = {e["name"]: e for e in json.loads((out / "quantization_report.json").read_text())["entries"]}
+    embedding = entries["embedding (embed.weight)"]
+    assert embedding["action"] == "quantized" and embedding["bytes_before"] == v * h * 4
+    assert embedding["bytes_after"] == v * h // 2 + v * (h // 32) * 4
+    assert entries["lm_head"]["action"] == "quantized" and "tied to the embedding" in entries["lm_head"]["detail"]
+
+    with torch.no_grad():
+        for name, module in hf.named_modules():
+            if isinstance(module, torch.nn.Linear) and name != "lm_head":
+                module.weight.copy_(torch.from_numpy(ref_int4(module.weight.numpy().T, 32).T))
+        table_ref = ref_int4(hf.model.embed_tokens.weight.numpy().T, 32).T  # the head's [H, V], blocks along H
+        hf.model.embed_tokens.weight.copy_(torch.from_numpy(np.ascontiguousarray(table_ref)))
+    ids = random_ids(16, seed=11)
+    engine = load_engine(build(out, out.parent / "tied-unfused", fuse_qdq=False))
+    np.testing.assert_allclose(_prefill_then_decode(engine, ids), hf_logits(hf, ids), atol=2e-4, rtol=1e-4)
+
+
+def test_tied_int4_engine_runs_matmul_nbits_and_an_exact_packed_lookup(quantized):
+    import onnx_ir as ir
+    import onnxruntime as ort
+
+    from trtspec.builder.ort_lowering import lower
+
+    out = quantized("llama", "int4-rtn", quantize_lm_head=True)
+    fused = build(out, out.parent / "tied-fused")
+    made = json.loads((fused / "manifest.json").read_text())["build"]
+    assert made["rewrites"] == {"tied_int4": 1} and made["kernels"] == {"MatMulNBits": 15}
+    ids = np.asarray(random_ids(12, seed=12))
+    a = _prefill_then_decode(load_engine(fused), ids)
+    b = _prefill_then_decode(load_engine(build(out, out.parent / "tied-plain", fuse_qdq=False)), ids)
+    assert np.abs(a - b).max() / np.abs(b).max() < 0.05  # MatMulNBits' accuracy_level 4 rounds activations
+    # the embedding rows gathered from the packed table equal the DequantizeLinear's rows exactly
+    model = ir.load(out / "model.onnx")
+    emb = next(n for n in model.graph if n.op_type == "Gather" and n.inputs[0].producer() is not None
+               and n.inputs[0].producer().op_type == "DequantizeLinear").outputs[0]
+    model.graph.outputs.append(emb)
+    name, plain = emb.name, ir.to_proto(model)
+    lower(model, fuse_qdq=True)
+    feeds = {"input_ids": ids[None], "position_ids": np.arange(12)[None]}
+    for cache in plain.graph.input[2:]:
+        feeds[cache.name] = np.zeros([1] + [d.dim_value for d in cache.type.tensor_type.shape.dim[1:]], np.float32)
+    got = [ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run([name], feeds)[0]
+           for m in (plain, ir.to_proto(model))]
+    np.testing.assert_array_equal(got[0], got[1])
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama-gqa-rope3"])  # tied, untied
+@pytest.mark.parametrize("mode", (None, *MODES))
+def test_engine_bytes_are_at_most_the_exports_plus_one_percent(exported, quantized, arch, mode):
+    def stored(path):
+        return sum(f.stat().st_size for f in path.iterdir() if f.name.startswith("model.onnx"))
+
+    src = exported(arch) if mode is None else quantized(arch, mode, quantize_lm_head=True)
+    engines = [build(src, src.parent / "bytes-fused")]
+    if mode is not None:
+        engines.append(build(src, src.parent / "bytes-unfused", fuse_qdq=False))
+    for engine in engines:
+        assert stored(engine) <= 1.01 * stored(src), (engine, stored(engine), stored(src))
+
+
+def test_gptq_reconstruction_error_is_below_round_to_nearest(exported):
+    """On the tiny model's own calibration inputs X: ||X W - X Q|| of GPTQ < RTN's for every MatMul."""
+    import onnx_ir as ir
+    from transformers import AutoTokenizer
+
+    from trtspec.quantization import calibrate
+
+    src = exported("llama-gqa-rope3")
+    manifest = json.loads((src / "manifest.json").read_text())
+    model = ir.load(src / "model.onnx")
+    linears = passes.find_linears(model, QuantizationReport("int4-gptq"), include_lm_head=True)
+    names = list(dict.fromkeys(lin.activation.name for lin in linears))
+    texts, _ = calibrate.load_texts(None)
+    windows = calibrate.token_windows(texts, AutoTokenizer.from_pretrained(src / "tokenizer"), 8, 64)
+    stats = calibrate.collect(src / "model.onnx", manifest["model"], names, windows, hessian=True)
+    for lin in linears:
+        w, xtx = lin.weight_array(), stats[lin.activation.name].xtx
+
+        def error(deq):
+            d = (deq - w).astype(np.float64)
+            return float(np.sqrt(np.trace(d.T @ xtx @ d)))  # ||X (W - Q)||_F over every calibration token
+
+        rtn = error(numerics.fake_quantize(w, "int4", 32))
+        for act_order in (False, True):
+            gptq = error(numerics.dequantize(*numerics.gptq(w, xtx, 32, act_order=act_order), 32))
+            assert gptq < rtn, (lin.name, act_order, gptq, rtn)
+
+
+def test_self_draft_is_built_once_and_greedy_equals_the_target(exported, tmp_path):
+    from trtspec import self_draft
+
+    target = build(exported("llama"), tmp_path / "target")
+    prompts = ["def add(a, b):", "The quick brown fox"]
+    expected = [r.token_ids for r in Generator(target).generate(prompts, max_new_tokens=24)]
+    spec = Generator(target, draft="self", num_draft_tokens=3)
+    out = spec.generate(prompts, max_new_tokens=24)
+    assert [r.token_ids for r in out] == expected
+    assert out.stats.accepted > 0
+    made = spec.draft.path
+    assert made == tmp_path / "target-self-int4-awq"
+    manifest = json.loads((made / "manifest.json").read_text())
+    assert manifest["quantization"]["mode"] == "int4-awq" and manifest["build"]["rewrites"] == {"tied_int4": 1}
+    stamp = (made / "model.onnx").stat().st_mtime_ns
+    assert self_draft(target) == made and (made / "model.onnx").stat().st_mtime_ns == stamp  # reused
+    with pytest.raises(ArtifactError, match="already quantized"):
+        self_draft(made)

@@ -19,6 +19,7 @@ from .errors import (
 from .exporter import export
 from .quantization import quantize
 from .runtime import Generator, GenerationResult, SamplingParams, Scheduler, VocabularyMismatchError
+from .runtime.self_draft import self_draft
 from .torch_backend import compile
 
 __all__ = [
@@ -39,4 +40,5 @@ __all__ = [
     "export",
     "load_engine",
     "quantize",
+    "self_draft",
 ]

@@ -40,20 +40,25 @@ def _add_quantize(sub):
     p.add_argument("-o", "--output", required=True, help="artifact directory to write, e.g. export/NAME-int4-awq")
     p.add_argument("--mode", required=True, choices=list(MODES),
                    help="int8-wo: INT8 weights per channel; int8-sq: W8A8 with SmoothQuant; fp8: FP8 E4M3 weights and "
-                        "activations; int4-rtn / int4-awq: INT4 weights blocked along K, round-to-nearest / AWQ")
+                        "activations; int4-rtn / int4-awq / int4-gptq: INT4 weights blocked along K, round-to-nearest "
+                        "/ AWQ / GPTQ")
     p.add_argument("--block-size", type=int, choices=BLOCK_SIZES, help=f"INT4 block along K (default {DEFAULT_BLOCK_SIZE})")
     p.add_argument("--calib-file", help="calibration text: plain text, .json list of strings, or .jsonl "
                                         "(default: held-out text shipped with trtspec)")
     p.add_argument("--calib-samples", type=_positive_int,
                    help=f"windows of up to 256 tokens to calibrate on (default {DEFAULT_CALIB_SAMPLES})")
-    p.add_argument("--quantize-lm-head", action="store_true", help="quantize the lm_head too (default: keep it in high precision)")
+    p.add_argument("--quantize-lm-head", action="store_true",
+                   help="quantize the lm_head too; tied to the embedding (int4 modes), one INT4 copy serves both "
+                        "(default: keep it in high precision)")
+    p.add_argument("--no-act-order", dest="act_order", action="store_false",
+                   help="int4-gptq: quantize input channels in order instead of by decreasing activation energy")
 
     def run(args):
         from .quantization import quantize
 
         print(quantize(args.export_dir, args.output, mode=args.mode, block_size=args.block_size,
                        calib_file=args.calib_file, calib_samples=args.calib_samples,
-                       quantize_lm_head=args.quantize_lm_head))
+                       quantize_lm_head=args.quantize_lm_head, **({} if args.act_order else {"act_order": False})))
 
     p.set_defaults(run=run)
 
@@ -110,7 +115,8 @@ def _add_build(sub):
 def _add_generate(sub):
     p = sub.add_parser("generate", help="generate text, optionally with speculative decoding")
     p.add_argument("--target", required=True, help="engine (or export) directory of the target model")
-    p.add_argument("--draft", help="engine (or export) directory of the draft model")
+    p.add_argument("--draft", help="engine (or export) directory of the draft model, or `self`: the target's own "
+                                        "INT4 build (made once from its export, beside the target engine)")
     p.add_argument("--drafter", choices=["draft", "prompt_lookup", "none"], help="default: draft if --draft, else none")
     p.add_argument("-k", "--num-draft-tokens", type=_positive_int, default=4, help="tokens drafted per round (default 4)")
     p.add_argument("--adaptive-k", action="store_true", help="choose k each round, up to -k, from measured costs")
@@ -220,7 +226,8 @@ def _add_bench(sub):
 def _add_serve(sub):
     p = sub.add_parser("serve", help="serve the engines over OpenAI's HTTP API (completions, chat, streaming)")
     p.add_argument("--target", required=True, help="engine (or export) directory of the target model")
-    p.add_argument("--draft", help="engine (or export) directory of the draft model")
+    p.add_argument("--draft", help="engine (or export) directory of the draft model, or `self`: the target's own "
+                                        "INT4 build (made once from its export, beside the target engine)")
     p.add_argument("--drafter", choices=["draft", "prompt_lookup", "none"], help="default: draft if --draft, else none")
     p.add_argument("-k", "--num-draft-tokens", type=_positive_int, default=4,
                    help="most tokens drafted per round (default 4; load-aware k picks fewer, down to 0, under load)")

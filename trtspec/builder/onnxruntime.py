@@ -1,4 +1,5 @@
-"""Build for onnxruntime: the step graph after onnxruntime's offline optimisations, saved once.
+"""Build for onnxruntime: the step graph after our lowering (ort_lowering.py) and onnxruntime's offline
+optimisations, saved once, every weight stored once.
 
 For a quantized export this is also where the backend-specific lowering
 happens: onnxruntime's own QDQ fusions turn the portable weight pattern
@@ -25,7 +26,10 @@ QUANTIZED_KERNELS = ("MatMulNBits", "MatMulIntegerToFloat", "QLinearMatMul", "De
 
 def build_onnxruntime(export_dir: Path, export_manifest: dict, out_dir: Path, *, fuse_qdq: bool = True) -> Path:
     import onnx
+    import onnx_ir as ir
     import onnxruntime as ort
+
+    from .ort_lowering import lower
 
     t0 = time.perf_counter()
     graph = export_manifest["graph"]
@@ -52,12 +56,28 @@ def build_onnxruntime(export_dir: Path, export_manifest: dict, out_dir: Path, *,
     if quantization is not None:
         manifest["quantization"] = {k: quantization[k] for k in ("mode", "block_size", "weights", "activations")}
     with atomic_artifact(out_dir, manifest) as tmp:
-        so = session_options(num_threads=None, fuse_qdq=fuse)
-        so.optimized_model_filepath = str(tmp / graph)
-        if external:
-            so.add_session_config_entry("session.optimized_model_external_initializers_file_name", f"{graph}.data")
-        log.info("optimising %s with onnxruntime %s", export_dir / graph, ort.__version__)
-        ort.InferenceSession(str(export_dir / graph), so, providers=["CPUExecutionProvider"])
+        model = ir.load(export_dir / graph)
+        build["rewrites"] = lower(model, fuse_qdq=fuse)
+        log.info("onnxruntime lowering: %s", ", ".join(f"{k} x{v}" for k, v in build["rewrites"].items()) or "nothing to rewrite")
+        data = f"{graph}.data" if external else None
+        if quantization is not None and not fuse:
+            # Q/DQ run as written: onnxruntime would fold each weight's DequantizeLinear into a float copy (4-8x the
+            # bytes). The engine keeps the quantized weights; onnxruntime folds them in memory when it loads.
+            build["offline_optimized"] = False
+            ir.save(model, tmp / graph, external_data=data)
+        else:
+            build["offline_optimized"] = True
+            staged = tmp / "lowered"
+            staged.mkdir()
+            ir.save(model, staged / graph, external_data=data)
+            del model
+            so = session_options(num_threads=None, fuse_qdq=fuse)
+            so.optimized_model_filepath = str(tmp / graph)
+            if external:
+                so.add_session_config_entry("session.optimized_model_external_initializers_file_name", data)
+            log.info("optimising %s with onnxruntime %s", export_dir / graph, ort.__version__)
+            ort.InferenceSession(str(staged / graph), so, providers=["CPUExecutionProvider"])
+            shutil.rmtree(staged)
         if quantization is not None:
             ops = collections.Counter(n.op_type for n in onnx.load(str(tmp / graph), load_external_data=False).graph.node)
             build["kernels"] = {op: ops[op] for op in QUANTIZED_KERNELS if ops[op]}

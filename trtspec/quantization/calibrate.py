@@ -37,6 +37,7 @@ class ActivationStats:
     absmax: np.ndarray  # [K] max |x| per channel
     mean_abs: np.ndarray  # [K] mean |x| per channel
     rows: np.ndarray  # [R, K] rows of x spread evenly over the calibration windows (AWQ's search data)
+    xtx: np.ndarray | None = None  # [K, K] sum of x^T x over every calibration token (GPTQ's Hessian), if asked
 
 
 def load_texts(path: str | Path | None) -> tuple[list[str], dict]:
@@ -107,8 +108,9 @@ def windows_sha256(windows: list[np.ndarray]) -> str:
 
 
 def collect(graph_path: Path, model: dict, value_names: list[str], windows: list[np.ndarray],
-            max_rows: int = 2048) -> dict[str, ActivationStats]:
-    """Run every window through the graph and return statistics of the named values (MatMul inputs)."""
+            max_rows: int = 2048, hessian: bool = False) -> dict[str, ActivationStats]:
+    """Run every window through the graph and return statistics of the named values (MatMul inputs);
+    with ``hessian`` also each value's x^T x over all calibration tokens."""
     import onnx_ir as ir
     import onnxruntime as ort
 
@@ -126,7 +128,7 @@ def collect(graph_path: Path, model: dict, value_names: list[str], windows: list
     cache = np.zeros((1, model["num_kv_heads"], model["max_seq_len"], model["head_dim"]), dtype)
     feeds = {name: cache for name in model["inputs"][2:]}
     per_window = math.ceil(max_rows / len(windows))
-    absmax, abssum, rows = {}, {}, {name: [] for name in value_names}
+    absmax, abssum, rows, xtx = {}, {}, {name: [] for name in value_names}, {}
     count, t0, last = 0, time.perf_counter(), 0.0
     for i, ids in enumerate(windows):
         feeds["input_ids"] = ids[None]
@@ -139,12 +141,16 @@ def collect(graph_path: Path, model: dict, value_names: list[str], windows: list
             abssum[name] = abssum.get(name, 0.0) + a.sum(axis=0, dtype=np.float64)
             take = np.unique(np.linspace(0, len(x) - 1, min(per_window, len(x))).astype(int))
             rows[name].append(x[take])
+            if hessian:
+                x64 = x.astype(np.float64)
+                xtx[name] = xtx.get(name, 0.0) + x64.T @ x64
         count += len(ids)
         now = time.perf_counter()
         if now - last > 2.0 or i + 1 == len(windows):
             log.info("calibrating: %d/%d windows, %d tokens (%.0f s)", i + 1, len(windows), count, now - t0)
             last = now
     return {
-        name: ActivationStats(absmax[name], (abssum[name] / count).astype(np.float32), np.concatenate(rows[name]))
+        name: ActivationStats(absmax[name], (abssum[name] / count).astype(np.float32), np.concatenate(rows[name]),
+                              xtx.get(name))
         for name in value_names
     }

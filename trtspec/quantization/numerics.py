@@ -144,3 +144,45 @@ def awq_clip_search(x: np.ndarray, w: np.ndarray, block_size: int,
     best = errors.argmin(axis=0)
     clip = np.asarray(ratios, np.float32)[best]
     return clip, float(errors.min(axis=0).sum()), float(errors[0].sum())
+
+
+def gptq(w: np.ndarray, xtx: np.ndarray, block_size: int, *, damp: float = 0.01, act_order: bool = True,
+         lazy_batch: int = 128) -> tuple[np.ndarray, np.ndarray]:
+    """GPTQ (Frantar et al. 2023) for int4 weights blocked along K: w [K, N] -> q int4 [K, N], scale [K/B, N].
+
+    ``xtx`` [K, K] is sum x^T x over the calibration inputs x [R, K] (the layer's Hessian up to a factor 2/R).
+    Input channels are quantized one at a time, in order of decreasing Hessian diagonal with ``act_order``,
+    and each one's rounding error is spread over the channels not yet quantized through the inverse Hessian
+    (its upper Cholesky factor), so the output error ||x W - x Q|| is what gets minimised, not ||W - Q||.
+    ``damp`` adds that fraction of the mean diagonal to it. The block scales are those of round-to-nearest on
+    w (max |block| / 7; with act_order the blocks are visited out of order, so they are fixed up front); a
+    block's scale does not move, its integers do. Channels the calibration never excited get zero weight.
+    """
+    k, n = w.shape
+    if k % block_size:
+        raise ValueError(f"block size {block_size} does not divide K={k}")
+    wt = w.astype(np.float64).T.copy()  # [N, K]: GPTQ's rows-are-outputs layout
+    h = np.asarray(xtx, np.float64).copy()
+    dead = np.diag(h) == 0
+    h[dead, dead] = 1.0
+    wt[:, dead] = 0.0
+    h[np.diag_indices(k)] += damp * float(np.mean(np.diag(h)))
+    scale = _scale(np.abs(wt.T.reshape(k // block_size, block_size, n)).max(axis=1), INT4_MAX, w.dtype)  # [K/B, N]
+    perm = np.argsort(-np.diag(h), kind="stable") if act_order else np.arange(k)
+    wt, h = wt[:, perm], h[np.ix_(perm, perm)]
+    col_scale = scale.astype(np.float64)[perm // block_size].T  # [N, K] in visiting order
+    u = np.linalg.cholesky(np.linalg.inv(h)).T  # H^-1 = U^T U, U upper triangular
+    q = np.zeros_like(wt)
+    for start in range(0, k, lazy_batch):
+        end = min(start + lazy_batch, k)
+        block, err = wt[:, start:end].copy(), np.zeros((n, end - start))
+        for j in range(end - start):
+            col, s = block[:, j], col_scale[:, start + j]
+            q[:, start + j] = np.clip(np.rint(col / s), INT4_MIN, INT4_MAX)
+            e = (col - q[:, start + j] * s) / u[start + j, start + j]
+            block[:, j:] -= np.outer(e, u[start + j, start + j:end])
+            err[:, j] = e
+        wt[:, end:] -= err @ u[start:end, end:]
+    q_kn = np.empty((k, n))
+    q_kn[perm] = q.T
+    return q_kn.astype(ml_dtypes.int4), scale

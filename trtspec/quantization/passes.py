@@ -80,11 +80,7 @@ def find_linears(model: ir.Model, report: QuantizationReport, *, include_lm_head
             continue
         weight = node.inputs[1].const_value
         if weight is None:
-            if id(node) in lm_head:  # tied embeddings: lm_head multiplies by Transpose(embedding)
-                report.entries.append(Entry(node.name or "lm_head", (0, 0), "skipped",
-                                            "lm_head's weight is computed in the graph (tied to the embedding); "
-                                            "left in high precision", 0, 0))
-            continue  # otherwise activation x activation (none in our graphs; Attention does QK and PV)
+            continue  # tied lm_head (see find_tied_head) or activation x activation (Attention does QK and PV)
         name = node.name or node.inputs[1].name
         shape = tuple(weight.shape)
         nbytes = weight.nbytes
@@ -105,6 +101,65 @@ def find_linears(model: ir.Model, report: QuantizationReport, *, include_lm_head
         if reason is None:
             linears.append(Linear(node, name))
     return linears
+
+
+@dataclass
+class TiedHead:
+    """An lm_head that reads the embedding table: Gather(W [V, H], ids) and MatMul(x, Transpose(W))."""
+
+    matmul: ir.Node
+    embedding: ir.Value  # the initializer W [V, H]
+    name: str = "lm_head"
+
+    @property
+    def activation(self) -> ir.Value:
+        return self.matmul.inputs[0]
+
+    def weight_array(self) -> np.ndarray:
+        """The head's weight as a [K, N] = [H, V] MatMul weight."""
+        return self.embedding.const_value.numpy().T
+
+
+def find_tied_head(model: ir.Model) -> TiedHead | None:
+    """The lm_head tied to the embedding, if the graph has one (the Transpose of an initializer also gathered)."""
+    heads = _lm_head_nodes(model.graph)
+    for node in model.graph:
+        if id(node) not in heads or node.op_type != "MatMul":
+            continue
+        t = node.inputs[1].producer()
+        if t is None or t.op_type != "Transpose" or list(t.attributes.get_ints("perm", [])) != [1, 0]:
+            continue
+        w = t.inputs[0]
+        uses = {u.node.op_type for u in w.uses()}
+        if w.const_value is not None and len(w.shape) == 2 and uses <= {"Transpose", "Gather"} and "Gather" in uses:
+            return TiedHead(node, w)
+    return None
+
+
+def quantize_tied_head(model: ir.Model, tied: TiedHead, q: np.ndarray, scale: np.ndarray, block_size: int,
+                       report: QuantizationReport, detail: str) -> None:
+    """W [V, H] -> DequantizeLinear(q [V, H] int4, scale [V, H/B], axis 1, blocked) feeding the embedding Gather
+    and the lm_head's Transpose -> MatMul: one INT4 copy for both uses. ``q`` [H, V] / ``scale`` [H/B, V] are the
+    head's quantization as a [K, N] weight (blocks along K = H, which are blocks along axis 1 of W)."""
+    graph = model.graph
+    w = tied.embedding
+    v, h = w.shape
+    qv = _constant(graph, f"{w.name}_quantized", np.ascontiguousarray(q.T).astype(ml_dtypes.int4))
+    sv = _constant(graph, f"{w.name}_scale", np.ascontiguousarray(scale.T))
+    dq = ir.node("DequantizeLinear", [qv, sv], attributes={"axis": 1, "block_size": block_size},
+                 name=_node_name(graph, f"{w.name}/dq"))
+    dq.outputs[0].name = f"{w.name}_dequantized"
+    dq.outputs[0].type, dq.outputs[0].shape = ir.TensorType(w.const_value.dtype), ir.Shape([v, h])
+    graph.insert_before(_first(graph, [u.node for u in w.uses()]), dq)
+    for use in list(w.uses()):
+        use.node.replace_input_with(use.idx, dq.outputs[0])
+    _drop_if_unused(graph, w)
+    nbytes = qv.const_value.nbytes + sv.const_value.nbytes
+    report.entries.append(Entry(f"embedding ({w.name})", (v, h), "quantized",
+                                f"int4, blocks of {block_size} along the hidden axis; shared with the tied lm_head; "
+                                + detail, w.const_value.nbytes, nbytes))
+    report.entries.append(Entry(tied.name, (h, v), "quantized",
+                                f"tied to the embedding: reads its INT4 weight through Transpose ({detail})", 0, 0))
 
 
 def group_by_activation(linears: list[Linear]) -> list[list[Linear]]:
@@ -236,10 +291,12 @@ def _fold(x: ir.Value, inv: np.ndarray) -> str | None:
 
 
 def quantize_weights(model: ir.Model, linears: list[Linear], fmt: str, report: QuantizationReport,
-                     block_size: int = 0, clips: dict[str, np.ndarray] | None = None) -> None:
+                     block_size: int = 0, clips: dict[str, np.ndarray] | None = None,
+                     quantized: dict[str, tuple[np.ndarray, np.ndarray]] | None = None) -> None:
     """W [K, N] -> DequantizeLinear(q, scale) feeding the MatMul: per output channel, or int4 blocked along K.
 
-    ``clips``: per MatMul name, int4 range ratios [K/B, N] from AWQ's clipping search.
+    ``clips``: per MatMul name, int4 range ratios [K/B, N] from AWQ's clipping search. ``quantized``: per
+    MatMul name, an int4 (q, scale) already computed (GPTQ) to use instead of round-to-nearest.
     """
     graph = model.graph
     q_dtype, _ = FORMATS[fmt]
@@ -256,6 +313,9 @@ def quantize_weights(model: ir.Model, linears: list[Linear], fmt: str, report: Q
         elif fmt == "fp8":
             q, scale = numerics.fp8_per_channel(w)
             attrs, layout = {"axis": 1}, "per output channel"
+        elif quantized and linear.name in quantized:
+            q, scale = quantized[linear.name]
+            attrs, layout = {"axis": 0, "block_size": block_size}, f"blocks of {block_size} along K"
         else:
             q, scale = numerics.int4_blocked(w, block_size, (clips or {}).get(linear.name))
             attrs, layout = {"axis": 0, "block_size": block_size}, f"blocks of {block_size} along K"

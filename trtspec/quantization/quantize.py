@@ -14,7 +14,7 @@ import numpy as np
 from ..errors import ArtifactError
 from ..manifest import EXPORT_FORMAT, atomic_artifact, export_source, read_manifest, versions
 from . import calibrate, numerics, passes
-from .report import QuantizationReport
+from .report import Entry, QuantizationReport
 
 log = logging.getLogger("trtspec.quantize")
 
@@ -25,12 +25,14 @@ MODES = {
     "fp8": ("fp8", "fp8", True, None),
     "int4-rtn": ("int4", None, False, None),
     "int4-awq": ("int4", None, True, "awq"),
+    "int4-gptq": ("int4", None, True, "gptq"),
 }
 BLOCK_SIZES = (32, 64, 128)
 DEFAULT_BLOCK_SIZE = 128
 DEFAULT_CALIB_SAMPLES = 32
 CALIB_SEQ_LEN = 256
 SMOOTHQUANT_ALPHA = 0.5
+GPTQ_DAMP = 0.01
 REPORT_FILE = "quantization_report.json"
 
 
@@ -43,14 +45,18 @@ def quantize(
     calib_file: str | os.PathLike | None = None,
     calib_samples: int | None = None,
     quantize_lm_head: bool = False,
+    act_order: bool | None = None,
 ) -> Path:
     """Quantize an export artifact's step graph with ``mode``; returns out_dir.
 
     Modes: int8-wo (INT8 weights per output channel), int8-sq (W8A8 with
-    SmoothQuant), fp8 (FP8 E4M3 weights and activations), int4-rtn and int4-awq
-    (INT4 weights in blocks of ``block_size`` along K). Calibrated modes
-    (int8-sq, fp8, int4-awq) run ``calib_samples`` windows of ``calib_file``
-    (default: the held-out text shipped with trtspec) through the graph.
+    SmoothQuant), fp8 (FP8 E4M3 weights and activations), int4-rtn, int4-awq and
+    int4-gptq (INT4 weights in blocks of ``block_size`` along K; GPTQ visits input
+    channels by decreasing activation energy unless ``act_order`` is False). Calibrated
+    modes (int8-sq, fp8, int4-awq, int4-gptq) run ``calib_samples`` windows of
+    ``calib_file`` (default: the held-out text shipped with trtspec) through the graph.
+    ``quantize_lm_head`` also quantizes the lm_head; a head tied to the embedding
+    (int4 modes) is quantized once for both uses.
     """
     export_dir, out_dir = Path(export_dir), Path(out_dir)
     if mode not in MODES:
@@ -63,7 +69,11 @@ def quantize(
     elif block_size is not None:
         raise ValueError(f"--block-size applies only to the int4 modes, not {mode}; drop it")
     if not calibrated and (calib_file is not None or calib_samples is not None):
-        raise ValueError(f"{mode} does not calibrate; drop --calib-file/--calib-samples (they apply to int8-sq, fp8, int4-awq)")
+        raise ValueError(f"{mode} does not calibrate; drop --calib-file/--calib-samples "
+                         "(they apply to int8-sq, fp8, int4-awq, int4-gptq)")
+    if act_order is not None and scaling != "gptq":
+        raise ValueError(f"act_order (--no-act-order) applies only to int4-gptq, not {mode}; drop it")
+    act_order = True if act_order is None else act_order
     if calib_samples is not None and calib_samples < 1:
         raise ValueError(f"calib_samples must be at least 1 (got {calib_samples})")
     manifest = read_manifest(export_dir)
@@ -89,6 +99,23 @@ def quantize(
     if not linears:
         raise ArtifactError(f"{graph_path} has no MatMul with a constant weight to quantize")
     groups = passes.group_by_activation(linears)
+    tied = passes.find_tied_head(model)
+    is_tied = tied is not None
+    if tied is not None and not quantize_lm_head:
+        report.entries.append(Entry(tied.name, tuple(tied.weight_array().shape), "skipped", "tied to the embedding; "
+                                    "left in high precision (pass --quantize-lm-head to quantize both uses in INT4)",
+                                    0, 0))
+    elif tied is not None and w_fmt != "int4":
+        report.entries.append(Entry(tied.name, tuple(tied.weight_array().shape), "skipped",
+                                    f"tied to the embedding; a tied lm_head is quantized in the int4 modes only", 0, 0))
+        tied = None
+    elif tied is not None and tied.embedding.shape[1] % block_size:
+        report.entries.append(Entry(tied.name, tuple(tied.weight_array().shape), "skipped",
+                                    f"tied to the embedding; block size {block_size} does not divide the hidden "
+                                    f"size {tied.embedding.shape[1]}", 0, 0))
+        tied = None
+    if not quantize_lm_head:
+        tied = None
 
     calibration, stats = None, {}
     if calibrated:
@@ -101,13 +128,23 @@ def quantize(
         calibration.update(samples=len(windows), tokens=int(sum(map(len, windows))), seq_len=seq_len,
                            tokens_sha256=calibrate.windows_sha256(windows))
         log.info("calibrating %s on %d windows of up to %d tokens", mode, len(windows), seq_len)
-        stats = calibrate.collect(graph_path, manifest["model"], [g[0].activation.name for g in groups], windows)
+        names = [g[0].activation.name for g in groups] + ([tied.activation.name] if tied is not None else [])
+        stats = calibrate.collect(graph_path, manifest["model"], list(dict.fromkeys(names)), windows,
+                                  hessian=scaling == "gptq")
 
-    amax, clips = {}, {}
+    amax, clips, precomputed = {}, {}, {}
     for i, group in enumerate(groups):
         x = group[0].activation.name
         s = None
-        if scaling == "smoothquant":
+        if scaling == "gptq":
+            for lin in group:
+                w = lin.weight_array()
+                if w.shape[0] % block_size == 0:
+                    precomputed[lin.name] = numerics.gptq(w, stats[x].xtx, block_size, damp=GPTQ_DAMP,
+                                                          act_order=act_order)
+                    report.update(lin.name, detail=_gptq_detail(act_order))
+            log.info("GPTQ %d/%d: %s", i + 1, len(groups), ", ".join(lin.name for lin in group))
+        elif scaling == "smoothquant":
             s = numerics.smoothquant_factors(stats[x].absmax, [lin.weight_array() for lin in group], SMOOTHQUANT_ALPHA)
             passes.scale_inputs(model, group, s, report, f"SmoothQuant (alpha {SMOOTHQUANT_ALPHA})")
         elif scaling == "awq":
@@ -115,7 +152,9 @@ def quantize(
             log.info("AWQ search %d/%d: %s", i + 1, len(groups), ", ".join(lin.name for lin in group))
         if a_fmt is not None:
             amax[id(group[0].node)] = float(np.max(stats[x].absmax / (s if s is not None else 1.0)))
-    passes.quantize_weights(model, linears, w_fmt, report, block_size or 0, clips)
+    if tied is not None:
+        _quantize_tied(model, tied, scaling, stats, block_size, act_order, report)
+    passes.quantize_weights(model, linears, w_fmt, report, block_size or 0, clips, precomputed)
     for group in groups:
         if a_fmt is not None:
             passes.quantize_activations(model, group, amax[id(group[0].node)], a_fmt, report)
@@ -129,6 +168,7 @@ def quantize(
         "weights": w_fmt,
         "activations": a_fmt,
         "lm_head": quantize_lm_head,
+        "tied_lm_head": is_tied,
         "calibration": calibration,
         "report": REPORT_FILE,
         "summary": report.summary(),
@@ -145,6 +185,28 @@ def quantize(
     log.info("%s", report.format())
     log.info("wrote %s in %.1f s", out_dir, time.perf_counter() - t0)
     return out_dir
+
+
+def _gptq_detail(act_order: bool) -> str:
+    return f"GPTQ (damp {GPTQ_DAMP}, {'activation order' if act_order else 'channel order'})"
+
+
+def _quantize_tied(model, tied, scaling, stats, block_size, act_order, report):
+    """The tied embedding/lm_head weight in INT4, quantized as the head's [H, V] weight, once for both uses."""
+    w = tied.weight_array()
+    if scaling == "gptq":
+        q, scale = numerics.gptq(w, stats[tied.activation.name].xtx, block_size, damp=GPTQ_DAMP,
+                                 act_order=act_order)
+        detail = _gptq_detail(act_order)
+    elif scaling == "awq":  # AWQ's input scaling would change the embedding too: clipping only
+        clip, _, _ = numerics.awq_clip_search(stats[tied.activation.name].rows, w, block_size)
+        q, scale = numerics.int4_blocked(w, block_size, clip)
+        detail = f"AWQ clipping (no input scaling: the weight is shared), {float(np.mean(clip < 1.0)):.0%} of blocks clipped"
+    else:
+        q, scale = numerics.int4_blocked(w, block_size)
+        detail = "round to nearest"
+    passes.quantize_tied_head(model, tied, q, scale, block_size, report, detail)
+    log.info("tied embedding/lm_head quantized to int4 (%s)", detail)
 
 
 def _awq(model, group, stats, block_size: int, report: QuantizationReport, clips: dict) -> np.ndarray | None:

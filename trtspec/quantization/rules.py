@@ -96,8 +96,24 @@ def _check_int4(node, g):
         yield f"{node.name}: INT4 weight {node.input[0]!r} is {len(weight.dims)}-D; TensorRT's INT4 DequantizeLinear takes 2-D weights"
     if not attr(node, "block_size", 0):
         yield f"{node.name}: INT4 DequantizeLinear without block_size; TensorRT's INT4 is blocked (block_size along K)"
-    elif len(weight.dims) == 2 and attr(node, "axis", 1) not in (0, -2):
+    elif len(weight.dims) == 2 and attr(node, "axis", 1) not in (0, -2) and not _is_tied_table(node, g):
         yield f"{node.name}: INT4 weight {node.input[0]!r} is blocked along axis {attr(node, 'axis', 1)}; block along K (axis 0 of a [K, N] weight)"
     n = int(np.prod(weight.dims))
     if weight.data_location != TensorProto.EXTERNAL and len(weight.raw_data) != (n + 1) // 2:
         yield f"{node.name}: INT4 weight {node.input[0]!r} is not stored packed (two values per byte in raw_data)"
+
+
+def _is_tied_table(node, g) -> bool:
+    """A tied embedding/lm_head table [V, H] blocked along H (axis 1): it feeds only the embedding Gather and
+    Transpose([1, 0]) -> MatMul, so H is the lm_head's K. TensorRT blocks along the last or second-to-last axis."""
+    if attr(node, "axis", 1) not in (1, -1):
+        return False
+    uses = g.consumers.get(node.output[0], [])
+    for use in uses:
+        if use.op_type == "Gather" and use.input[0] == node.output[0] and attr(use, "axis", 0) == 0:
+            continue
+        if use.op_type == "Transpose" and list(attr(use, "perm", [])) == [1, 0] and all(
+                c.op_type == "MatMul" and c.input[1] == use.output[0] for c in g.consumers.get(use.output[0], [])):
+            continue
+        return False
+    return bool(uses)

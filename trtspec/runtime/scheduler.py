@@ -38,6 +38,7 @@ from ..errors import CapacityError
 from .adaptive import LoadAwareK
 from .drafters import DraftModelDrafter, NoDrafter, PromptLookupDrafter
 from .sampling import SPECULATIVE_SAMPLING, RowSampler, SamplingParams
+from .self_draft import SELF, self_draft
 from .text import IncrementalText
 from .vocab import check_same_vocabulary
 
@@ -363,7 +364,8 @@ def encode_prompt(tokenizer, prompt, *, vocab_size: int, bos_id: int | None, cap
 class Scheduler:
     """Continuous batching with speculation over a target engine and an optional drafter.
 
-    ``target``/``draft`` are engine or export directories, or loaded engines. ``drafter`` is
+    ``target``/``draft`` are engine or export directories, or loaded engines; ``draft="self"`` drafts with
+    the target's own INT4 build (made once, see runtime/self_draft.py). ``drafter`` is
     "draft" (default when a draft is given), "prompt_lookup" or "none". ``num_draft_tokens`` is the
     default k of a request (each may ask for its own). ``k_policy`` "load-aware" chooses each
     round's k from measured costs at the current batch size (down to 0); "fixed" drafts every
@@ -392,6 +394,8 @@ class Scheduler:
     ):
         self.target = _as_engine(target, num_threads)
         self.tokenizer = _load_tokenizer(self.target)
+        if isinstance(draft, str) and draft == SELF:  # the target's own INT4 build (runtime/self_draft.py)
+            draft = self_draft(self.target)
         drafter = drafter or ("draft" if draft is not None else "none")
         if drafter not in DRAFTERS:
             raise ValueError(f"unknown drafter {drafter!r}; choose one of {', '.join(DRAFTERS)}")

@@ -1,0 +1,82 @@
+"""The target's own INT4 build as its draft: speculation for a user who has no draft model.
+
+``self_draft(target)`` quantizes the export the target was built from (int4-awq, tied or untied lm_head
+included, blocks of 32) and builds it for onnxruntime, once: the result sits next to the target engine
+(``<target>-self-int4-awq``) and is reused while the export is unchanged. ``Generator(target, draft="self")``,
+``Scheduler(..., draft="self")`` and ``trtspec generate/serve/bench --draft self`` call it. The draft then reads
+a quarter of the target's bytes per token and agrees with it on most tokens; greedy output stays the target's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from ..errors import ArtifactError
+from ..manifest import EXPORT_FORMAT, MANIFEST, read_manifest, sha256_file
+
+SELF = "self"
+SELF_DRAFT_MODE = "int4-awq"
+SELF_DRAFT_BLOCK_SIZE = 32
+log = logging.getLogger("trtspec.self_draft")
+
+
+def _export_of(target_dir: Path, manifest: dict) -> Path:
+    if manifest["format"] == EXPORT_FORMAT:
+        return target_dir
+    source = manifest.get("source") or {}
+    export_dir = Path(source.get("export_dir", ""))
+    if not source.get("export_dir") or not (export_dir / MANIFEST).is_file():
+        raise ArtifactError(f"--draft self builds the INT4 draft from the export {target_dir} was built from "
+                            f"({source.get('export_dir') or 'not recorded'}), which is missing; export the model "
+                            "again (trtspec export) and rebuild, or pass a draft model with --draft PATH")
+    if sha256_file(export_dir / MANIFEST) != source.get("export_manifest_sha256"):
+        raise ArtifactError(f"{export_dir} changed after {target_dir} was built from it; rebuild the target "
+                            "(trtspec build) so that the self-draft and the target come from the same weights")
+    return export_dir
+
+
+def self_draft(target, out_dir: str | os.PathLike | None = None, *, mode: str = SELF_DRAFT_MODE,
+               block_size: int = SELF_DRAFT_BLOCK_SIZE, calib_samples: int | None = None) -> Path:
+    """The INT4 onnxruntime engine of ``target``'s own export (built if missing or stale); returns its directory.
+
+    ``target``: an engine or export directory, or a loaded engine. ``out_dir`` defaults to
+    ``<target>-self-<mode>`` beside it.
+    """
+    from ..builder import build
+    from ..quantization import quantize
+
+    target_dir = Path(getattr(target, "path", target))
+    manifest = getattr(target, "manifest", None) or read_manifest(target_dir)
+    if manifest.get("quantization"):
+        raise ArtifactError(f"{target_dir} is already quantized ({manifest['quantization']['mode']}); --draft self "
+                            "drafts a float target with its INT4 build")
+    export_dir = _export_of(target_dir, manifest)
+    out = Path(out_dir) if out_dir is not None else target_dir.with_name(f"{target_dir.name}-self-{mode}")
+    stamp = {"export_manifest_sha256": sha256_file(export_dir / MANIFEST), "mode": mode, "block_size": block_size}
+    if (out / MANIFEST).is_file():
+        made = read_manifest(out).get("self_draft")
+        if made == stamp:
+            return out
+        if made is None:
+            raise ArtifactError(f"{out} exists and is not a self-draft of {target_dir}; move it or pass another out_dir")
+        log.info("%s was made from another export or with other settings; rebuilding it", out)
+    log.info("building the self-draft of %s: %s of %s (once; it is reused while the export is unchanged)",
+             target_dir, mode, export_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{out.name}-", dir=out.parent) as tmp:
+        quantized = quantize(export_dir, Path(tmp) / "export", mode=mode, block_size=block_size,
+                             calib_samples=calib_samples, quantize_lm_head=True)
+        built = build(quantized, Path(tmp) / "engine")
+        manifest_path = built / MANIFEST
+        engine_manifest = json.loads(manifest_path.read_text())
+        engine_manifest["self_draft"] = stamp
+        manifest_path.write_text(json.dumps(engine_manifest, indent=1) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(built, out)
+    return out
