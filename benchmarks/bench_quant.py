@@ -81,11 +81,12 @@ def main():
     parser.add_argument("--eval-texts", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5, help="interleaved speed rounds (medians are quoted)")
-    parser.add_argument("--modes", nargs="+", choices=list(MODES), help="rows to run (default: all)")
+    parser.add_argument("--modes", nargs="+", choices=["float32", *MODES],
+                        help="rows to run (default: all; float32, the reference, always runs)")
     parser.add_argument("--out", default="quant", help="results name under benchmarks/results (default quant)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    modes = {name: MODES[name] for name in (args.modes or MODES)}
+    modes = {name: MODES[name] for name in (args.modes or MODES) if name != "float32"}
     work = WORK / "quant"
     prompts = load_prompts(ROOT / "models" / "heldout.json")
     from transformers import AutoTokenizer
