@@ -32,6 +32,7 @@ bench: setup engines/stdlib-target/manifest.json engines/stdlib-draft/manifest.j
 	$(TRTSPEC) bench --target engines/stdlib-target --draft engines/stdlib-draft --prompts models/heldout.json
 	$(PY) benchmarks/bench_decode.py
 	$(PY) benchmarks/bench_quant.py
+	$(PY) benchmarks/bench_int4.py
 	$(PY) benchmarks/bench_batching.py
 	$(PY) benchmarks/bench_serve.py
 	$(PY) benchmarks/bench_ray.py
