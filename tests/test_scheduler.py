@@ -267,7 +267,8 @@ def test_an_engine_failure_fails_the_requests_in_flight_and_the_scheduler_keeps_
             raise RuntimeError("simulated engine failure")
 
     scheduler = Scheduler(WrappedEngine(target, fail_the_fifth_call))
-    doomed = [scheduler.submit(make_prompt(70 + i, 5), max_new_tokens=30) for i in range(2)]
+    # queued together (one submit_many): both are in flight at the fifth call however busy the machine is
+    doomed = scheduler.submit_many([make_prompt(70 + i, 5) for i in range(2)], [{"max_new_tokens": 30}] * 2)
     for h in doomed:
         with pytest.raises(RuntimeError, match="simulated engine failure"):
             h.result(timeout=60)
