@@ -30,7 +30,7 @@ TARGET = dict(hidden_size=512, num_hidden_layers=6, num_attention_heads=8, num_k
               intermediate_size=1536, tie_word_embeddings=False)
 DRAFT = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=768, tie_word_embeddings=True)
-TARGET_STEPS, TARGET_LR = 300, 1.5e-3
+TARGET_STEPS, TARGET_LR = 2400, 1.5e-3
 DRAFT_STEPS, DRAFT_LR = 600, 3e-3
 
 
@@ -79,33 +79,6 @@ def make_model(spec: dict, seed: int):
     return AutoModelForCausalLM.from_config(config)
 
 
-def train(model, data: np.ndarray, steps: int, lr: float, seed: int, name: str):
-    import torch
-
-    rng = np.random.default_rng(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
-    warmup = max(1, steps // 15)
-    model.train()
-    t0 = time.perf_counter()
-    for step in range(steps):
-        scale = (step + 1) / warmup if step < warmup else 0.1 + 0.45 * (1 + math.cos(math.pi * (step - warmup) / (steps - warmup)))
-        for group in opt.param_groups:
-            group["lr"] = lr * scale
-        starts = rng.integers(0, data.size - SEQ - 1, size=BATCH)
-        x = torch.from_numpy(np.stack([data[s : s + SEQ] for s in starts]).astype(np.int64))
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if step % 20 == 0 or step == steps - 1:
-            el = time.perf_counter() - t0
-            print(f"[{name}] step {step + 1}/{steps} loss {loss.item():.3f} "
-                  f"{el / 60:.1f} min, eta {el / (step + 1) * (steps - step - 1) / 60:.1f} min", flush=True)
-    model.eval()
-    return time.perf_counter() - t0
-
-
 def perplexity(model, data: np.ndarray, max_tokens: int = 65_536) -> float:
     import torch
 
@@ -139,43 +112,89 @@ def benchmark_prompts(held: list[Path], root: Path, tokenizer, n: int = 24, prom
     return prompts
 
 
+def load_data(work: Path):
+    """Tokenizer and token streams, cached in the work directory (the tokenizer is trained once, there)."""
+    from transformers import AutoTokenizer
+
+    train_files, held, root = stdlib_files()
+    tok_dir = work / "tokenizer"
+    if (tok_dir / "tokenizer.json").exists():
+        tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    else:
+        tokenizer = train_tokenizer(train_files)
+        tokenizer.save_pretrained(tok_dir)
+    cache = work / "tokens.npz"
+    if cache.exists():
+        arrays = np.load(cache)
+        train_ids, held_ids = arrays["train"], arrays["held"]
+    else:
+        train_ids, held_ids = encode(tokenizer, train_files), encode(tokenizer, held)
+        np.savez(work / "tokens.tmp.npz", train=train_ids, held=held_ids)
+        (work / "tokens.tmp.npz").replace(cache)
+    return tokenizer, train_ids, held_ids, train_files, held, root
+
+
+def train_target(train_ids: np.ndarray, work: Path, steps: int):
+    from trtspec.training import TrainConfig, TrainLoop, random_windows
+
+    model = make_model(TARGET, seed=0)
+    cfg = TrainConfig(steps=steps, batch=BATCH, seq=SEQ, lr=TARGET_LR, seed=0, checkpoint_every=40,
+                      extra={"model": TARGET, "vocab": VOCAB, "data_tokens": int(train_ids.size)})
+    loop = TrainLoop(model, cfg, work / "target", name="target")
+
+    def batch(step):
+        import torch
+        return torch.from_numpy(random_windows(train_ids, BATCH, SEQ, 0, step))
+
+    def loss(model, w, step):
+        import torch.nn.functional as F
+        logits = model(input_ids=w[:, :-1]).logits
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1))
+
+    seconds = loop.run(batch, loss)
+    return model, loop, seconds
+
+
 def main():
     import torch
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="models", type=Path)
+    parser.add_argument("--work", default=".train", type=Path,
+                        help="checkpoints and the token cache; a stopped run resumes from here")
+    parser.add_argument("--stage", choices=["target", "draft", "all"], default="all")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    args.work.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
-    train_files, held, root = stdlib_files()
-    print(f"{len(train_files)} training files, {len(held)} held out", flush=True)
-    tokenizer = train_tokenizer(train_files)
-    train_ids, held_ids = encode(tokenizer, train_files), encode(tokenizer, held)
-    print(f"tokenizer {len(tokenizer)} tokens; {train_ids.size} training tokens, {held_ids.size} held out "
-          f"({(time.perf_counter() - t_start) / 60:.1f} min)", flush=True)
-
-    report = {"data": {"stdlib": str(root), "train_files": len(train_files), "heldout_files": len(held),
-                       "train_tokens": int(train_ids.size), "heldout_tokens": int(held_ids.size)}}
-    for name, spec, steps, lr, seed in (("target", TARGET, TARGET_STEPS, TARGET_LR, 0),
-                                         ("draft", DRAFT, DRAFT_STEPS, DRAFT_LR, 1)):
-        model = make_model(spec, seed)
-        seconds = train(model, train_ids, steps, lr, seed, name)
+    tokenizer, train_ids, held_ids, train_files, held, root = load_data(args.work)
+    print(f"{len(train_files)} training files, {len(held)} held out; tokenizer {len(tokenizer)} tokens; "
+          f"{train_ids.size} training tokens, {held_ids.size} held out", flush=True)
+    report_path = args.out / "train_report.json"
+    report = json.loads(report_path.read_text()) if report_path.exists() else {}
+    report["data"] = {"stdlib": str(root), "train_files": len(train_files), "heldout_files": len(held),
+                      "train_tokens": int(train_ids.size), "heldout_tokens": int(held_ids.size)}
+    if args.stage in ("target", "all"):
+        model, loop, seconds = train_target(train_ids, args.work, TARGET_STEPS)
         ppl = perplexity(model, held_ids)
-        out = args.out / f"stdlib-{name}"
+        out = args.out / "stdlib-target"
         model.to(torch.float16).save_pretrained(out)
         tokenizer.save_pretrained(out)
-        report[name] = {"parameters": sum(p.numel() for p in model.parameters()), "config": spec, "steps": steps,
-                        "tokens_seen": steps * BATCH * SEQ, "peak_lr": lr, "train_minutes": seconds / 60,
-                        "heldout_perplexity": ppl}
-        print(f"[{name}] held-out perplexity {ppl:.2f}", flush=True)
-    prompts = benchmark_prompts(held, root, tokenizer)
-    (args.out / "heldout.json").write_text(json.dumps(
-        {"rule": "sha256(path relative to the stdlib) mod 20 == 0", "files": [p.relative_to(root).as_posix() for p in held],
-         "prompts": prompts}, indent=1))
+        report["target"] = {"parameters": sum(p.numel() for p in model.parameters()), "config": TARGET,
+                            "steps": TARGET_STEPS, "tokens_seen": TARGET_STEPS * BATCH * SEQ, "peak_lr": TARGET_LR,
+                            "bf16_autocast": loop.autocast, "train_minutes": seconds / 60,
+                            "heldout_perplexity": ppl, "loss_curve": loop.history}
+        print(f"[target] held-out perplexity {ppl:.2f}", flush=True)
+        prompts = benchmark_prompts(held, root, tokenizer)
+        (args.out / "heldout.json").write_text(json.dumps(
+            {"rule": "sha256(path relative to the stdlib) mod 20 == 0",
+             "files": [p.relative_to(root).as_posix() for p in held], "prompts": prompts}, indent=1))
+        report_path.write_text(json.dumps(report, indent=2))
+    if args.stage in ("draft", "all"):
+        raise SystemExit("draft stage: see distill")
     report["total_minutes"] = (time.perf_counter() - t_start) / 60
-    (args.out / "train_report.json").write_text(json.dumps(report, indent=2))
-    print(json.dumps(report, indent=2))
+    report_path.write_text(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":

@@ -43,6 +43,36 @@ def exported(tmp_path_factory, model_dir):
 
 
 @pytest.fixture(scope="session")
+def built(tmp_path_factory, exported):
+    """The onnxruntime engine built from ``exported(arch)``: fused (the default build) or plain (--no-fusion)."""
+    from trtspec import build
+
+    cache = {}
+
+    def get(arch: str, fusion: bool = True, **options):
+        key = (arch, fusion, tuple(sorted(options.items())))
+        if key not in cache:
+            cache[key] = build(exported(arch, **options), tmp_path_factory.mktemp(f"engine-{arch}") / "e", fusion=fusion)
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def step_engine(exported, built):
+    """A step engine for an architecture in one of its forms: "export" (the portable graph run as is),
+    "plain" (built without fusion) or "fused" (the default onnxruntime build)."""
+    from trtspec import load_engine
+
+    def get(arch: str, form: str):
+        path = {"export": lambda: exported(arch), "plain": lambda: built(arch, fusion=False),
+                "fused": lambda: built(arch)}[form]()
+        return load_engine(path)
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def hf_model():
     from transformers import AutoModelForCausalLM
 

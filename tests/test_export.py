@@ -15,9 +15,13 @@ from trtspec.exporter.contract import contract_violations
 TOL = 1e-4
 
 
+FORMS = ["export", "fused"]  # the portable graph as exported, and the default onnxruntime build (lowered, fused)
+
+
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_prefill_decode_chunk_logits_match_hf(arch, exported, model_dir, hf_model):
-    engine = load_engine(exported(arch))
+def test_prefill_decode_chunk_logits_match_hf(arch, form, step_engine, model_dir, hf_model):
+    engine = step_engine(arch, form)
     ids = random_ids(12, seed=1)
     ref = hf_logits(hf_model(model_dir(arch)), ids)
     prefill = engine.forward(ids[None, :7], np.arange(7)[None]).copy()
@@ -28,9 +32,10 @@ def test_prefill_decode_chunk_logits_match_hf(arch, exported, model_dir, hf_mode
     np.testing.assert_allclose(chunk[0], ref[8:12], atol=TOL, rtol=0)
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_ragged_batch_logits_match_hf(arch, exported, model_dir, hf_model):
-    engine = load_engine(exported(arch))
+def test_ragged_batch_with_rollback_logits_match_hf(arch, form, step_engine, model_dir, hf_model):
+    engine = step_engine(arch, form)
     model = hf_model(model_dir(arch))
     a, b = random_ids(12, seed=2), random_ids(9, seed=3)
     ref_a, ref_b = hf_logits(model, a), hf_logits(model, b)
@@ -45,11 +50,18 @@ def test_ragged_batch_logits_match_hf(arch, exported, model_dir, hf_model):
     out = engine.forward(np.stack([a[8:12], b[5:9]]), np.stack([np.arange(8, 12), np.arange(5, 9)])).copy()
     np.testing.assert_allclose(out[0], ref_a[8:12], atol=TOL, rtol=0)
     np.testing.assert_allclose(out[1], ref_b[5:9], atol=TOL, rtol=0)
+    # rollback, as after rejected drafts: row a keeps 10 tokens, row b 6; both continue with other tokens
+    # written over the stale slots
+    a2, b2 = np.concatenate([a[:10], random_ids(3, seed=4)]), np.concatenate([b[:6], random_ids(3, seed=5)])
+    out = engine.forward(np.stack([a2[10:13], b2[6:9]]), np.stack([np.arange(10, 13), np.arange(6, 9)])).copy()
+    np.testing.assert_allclose(out[0], hf_logits(model, a2)[10:13], atol=TOL, rtol=0)
+    np.testing.assert_allclose(out[1], hf_logits(model, b2)[6:9], atol=TOL, rtol=0)
 
 
-def test_sliding_window_beyond_the_window_matches_hf(exported, model_dir, hf_model):
+@pytest.mark.parametrize("form", FORMS)
+def test_sliding_window_beyond_the_window_matches_hf(form, step_engine, model_dir, hf_model):
     # the tiny Mistral has a 16-token window; 40 positions exercise it
-    engine = load_engine(exported("mistral"))
+    engine = step_engine("mistral", form)
     ids = random_ids(40, seed=4)
     ref = hf_logits(hf_model(model_dir("mistral")), ids)
     out = np.concatenate([engine.forward(ids[None, :30], np.arange(30)[None])[0].copy(),

@@ -16,6 +16,7 @@ from .errors import (
     TrtspecError,
     UnsupportedModelError,
 )
+from .distill import distill
 from .exporter import export
 from .quantization import quantize
 from .runtime import Generator, GenerationResult, SamplingParams, Scheduler, VocabularyMismatchError
@@ -37,6 +38,7 @@ __all__ = [
     "__version__",
     "build",
     "compile",
+    "distill",
     "export",
     "load_engine",
     "quantize",

@@ -1,4 +1,4 @@
-"""The `trtspec` command: export, quantize, check, build, generate, bench."""
+"""The `trtspec` command: export, quantize, check, build, generate, bench, serve, distill."""
 
 from __future__ import annotations
 
@@ -92,6 +92,9 @@ def _add_build(sub):
     ort_group = p.add_argument_group("onnxruntime only")
     ort_group.add_argument("--no-qdq-fusion", action="store_true",
                            help="run a quantized graph's Q/DQ nodes as written instead of onnxruntime's quantized kernels")
+    ort_group.add_argument("--no-fusion", action="store_true",
+                           help="build the plain step graph, without the lowering to onnxruntime's fused kernels "
+                           "(RMSNorm, RoPE, packed projections, attention over the live cache length)")
     trt = p.add_argument_group("tensorrt only")
     trt.add_argument("--max-prefill", type=_positive_int, help="most tokens per row in one prefill call (default: the KV cache capacity)")
     trt.add_argument("--verify-tokens", type=_int_list,
@@ -107,6 +110,8 @@ def _add_build(sub):
         options = {key: value for key, value in given.items() if value is not None}
         if args.no_qdq_fusion:
             options["fuse_qdq"] = False
+        if args.no_fusion:
+            options["fusion"] = False
         print(build(args.export_dir, args.output, backend=args.backend, **options))
 
     p.set_defaults(run=run)
@@ -362,6 +367,54 @@ def _add_bench_serve(sub):
     p.set_defaults(run=run)
 
 
+def _add_distill(sub):
+    p = sub.add_parser("distill", help="train a small draft for a target by distillation (HF dir -> HF dir)",
+                       description="Train a draft model that mimics the target's next-token distribution on your "
+                       "text. Writes an HF model directory with the target's tokenizer and distill_report.json "
+                       "(loss curve, held-out KL, acceptance alpha at k=4 measured through trtspec engines). "
+                       "Run the same command again to resume a stopped run.")
+    p.add_argument("--target", required=True, help="the target's Hugging Face model directory")
+    p.add_argument("--out", required=True, help="new (or empty) directory for the draft")
+    p.add_argument("--data", required=True, nargs="+", help="text files, or directories searched for --pattern")
+    p.add_argument("--heldout", nargs="+", help="held-out files or directories (default: files whose path "
+                   "hashes to 0 mod 20 are held out of --data)")
+    p.add_argument("--pattern", default="*.py", help="file pattern in data directories (default *.py)")
+    shape = p.add_argument_group("draft shape (defaults: half the target's hidden size, a third of its layers)")
+    shape.add_argument("--layers", type=_positive_int)
+    shape.add_argument("--hidden", type=_positive_int)
+    shape.add_argument("--heads", type=_positive_int)
+    shape.add_argument("--kv-heads", type=_positive_int)
+    shape.add_argument("--intermediate", type=_positive_int, help="MLP size")
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument("--steps", type=_positive_int, help="optimiser steps (default 1000; deterministic)")
+    budget.add_argument("--minutes", type=float, help="wall-clock budget instead of --steps")
+    p.add_argument("--batch", type=_positive_int, default=16)
+    p.add_argument("--seq", type=_positive_int, default=256, help="tokens per training window")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
+    p.add_argument("--temperature", type=float, default=1.0, help="distillation temperature (default 1)")
+    p.add_argument("--kd-weight", type=float, default=1.0,
+                   help="weight of the KL term; the rest is cross-entropy on the text (0: no distillation)")
+    p.add_argument("--sampled-fraction", type=float, default=0.0,
+                   help="fraction of each batch made of the target's own sampled continuations")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="stored dtype (default: the target's)")
+    p.add_argument("--no-bf16", action="store_true", help="train in float32 even where the CPU has AVX512-BF16")
+    p.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts for the acceptance check (0: skip)")
+    p.add_argument("--threads", type=_positive_int)
+
+    def run(args):
+        from .distill import distill
+
+        distill(args.target, args.out, args.data, heldout=args.heldout, pattern=args.pattern, layers=args.layers,
+                hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads, intermediate=args.intermediate,
+                steps=args.steps, minutes=args.minutes, batch=args.batch, seq=args.seq, lr=args.lr,
+                temperature=args.temperature, kd_weight=args.kd_weight, sampled_fraction=args.sampled_fraction,
+                seed=args.seed, dtype=args.dtype, bf16=not args.no_bf16, eval_prompts=args.eval_prompts,
+                threads=args.threads)
+
+    p.set_defaults(run=run)
+
+
 def _print_stats(stats, finish_reason):
     line = (
         f"[{stats.new_tokens} tokens, {stats.tokens_per_s:.1f} tok/s, first token after "
@@ -375,6 +428,30 @@ def _print_stats(stats, finish_reason):
     if finish_reason:
         line += f", finish: {finish_reason}"
     print(line + "]", file=sys.stderr)
+
+
+# Third-party loggers that narrate their own work (graph optimiser passes, exporter registrations): shown with -v.
+CHATTY_LOGGERS = ("torch.onnx", "torch._dynamo", "torch.export", "onnxscript", "onnx_ir", "transformers", "huggingface_hub")
+
+
+def _configure_logging(verbose: bool) -> None:
+    """trtspec's own progress at INFO; everything else only from WARNING, and the chatty ones only with -v."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("trtspec: %(message)s" if not verbose else "%(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.DEBUG if verbose else logging.WARNING)
+    logging.getLogger("trtspec").setLevel(logging.DEBUG if verbose else logging.INFO)
+    if not verbose:
+        for name in CHATTY_LOGGERS:
+            logging.getLogger(name).setLevel(logging.ERROR)
+        try:
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.set_verbosity_error()
+            hf_logging.disable_progress_bar()
+        except ImportError:
+            pass
 
 
 def main(argv=None) -> int:
@@ -391,8 +468,9 @@ def main(argv=None) -> int:
     _add_bench(sub)
     _add_serve(sub)
     _add_bench_serve(sub)
+    _add_distill(sub)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="trtspec: %(message)s")
+    _configure_logging(args.verbose)
     try:
         return args.run(args) or 0
     except (TrtspecError, ValueError) as e:

@@ -15,7 +15,8 @@ def build(export_dir: str | os.PathLike, out_dir: str | os.PathLike, *, backend:
     """Build an engine artifact for ``backend`` from an export artifact; returns out_dir.
 
     ``options``: for onnxruntime, ``fuse_qdq`` (default True: quantized weights run
-    in onnxruntime's quantized kernels); for TensorRT, max_prefill, verify_tokens,
+    in onnxruntime's quantized kernels) and ``fusion`` (default True: the graph lowered to onnxruntime's
+    fused CPU kernels, see builder/ort_lowering.py; False keeps the plain graph); for TensorRT, max_prefill, verify_tokens,
     max_batch, workspace_mib, timing_cache (see builder.tensorrt.build_tensorrt).
     """
     export_dir = Path(export_dir)
@@ -23,7 +24,7 @@ def build(export_dir: str | os.PathLike, out_dir: str | os.PathLike, *, backend:
     if manifest["format"] != EXPORT_FORMAT:
         raise ArtifactError(f"{export_dir} is a built engine, not an export; pass the export/ directory it came from")
     if backend == "onnxruntime":
-        foreign = sorted(set(options) - {"fuse_qdq"})
+        foreign = sorted(set(options) - {"fuse_qdq", "fusion"})
         if foreign:
             raise ValueError(f"build options {', '.join(foreign)} apply only to --backend tensorrt; drop them or pass --backend tensorrt")
         from .onnxruntime import build_onnxruntime
@@ -32,6 +33,8 @@ def build(export_dir: str | os.PathLike, out_dir: str | os.PathLike, *, backend:
     if backend == "tensorrt":
         if "fuse_qdq" in options:
             raise ValueError("--no-qdq-fusion applies only to --backend onnxruntime; TensorRT places Q/DQ itself")
+        if "fusion" in options:
+            raise ValueError("--no-fusion applies only to --backend onnxruntime; TensorRT fuses the graph itself")
         from .tensorrt import build_tensorrt
 
         return build_tensorrt(export_dir, manifest, Path(out_dir), **options)

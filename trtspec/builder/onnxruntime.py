@@ -24,7 +24,8 @@ log = logging.getLogger("trtspec.build")
 QUANTIZED_KERNELS = ("MatMulNBits", "MatMulIntegerToFloat", "QLinearMatMul", "DequantizeLinear", "QuantizeLinear")
 
 
-def build_onnxruntime(export_dir: Path, export_manifest: dict, out_dir: Path, *, fuse_qdq: bool = True) -> Path:
+def build_onnxruntime(export_dir: Path, export_manifest: dict, out_dir: Path, *, fuse_qdq: bool = True,
+                      fusion: bool = True) -> Path:
     import onnx
     import onnx_ir as ir
     import onnxruntime as ort
@@ -38,7 +39,7 @@ def build_onnxruntime(export_dir: Path, export_manifest: dict, out_dir: Path, *,
     if quantization is None and not fuse_qdq:
         raise ValueError("--no-qdq-fusion applies only to quantized exports (made by `trtspec quantize`); drop it")
     fuse = fuse_qdq and fuses_qdq(export_manifest)
-    build = {"graph_optimization_level": "extended", "external_data": external}
+    build = {"graph_optimization_level": "extended", "external_data": external, "fusion": fusion}
     if quantization is not None:
         build["fuse_qdq"] = fuse
         if fuse:
@@ -57,7 +58,7 @@ def build_onnxruntime(export_dir: Path, export_manifest: dict, out_dir: Path, *,
         manifest["quantization"] = {k: quantization[k] for k in ("mode", "block_size", "weights", "activations")}
     with atomic_artifact(out_dir, manifest) as tmp:
         model = ir.load(export_dir / graph)
-        build["rewrites"] = lower(model, fuse_qdq=fuse)
+        build["rewrites"] = lower(model, fuse_qdq=fuse, fusion=fusion)
         log.info("onnxruntime lowering: %s", ", ".join(f"{k} x{v}" for k, v in build["rewrites"].items()) or "nothing to rewrite")
         data = f"{graph}.data" if external else None
         if quantization is not None and not fuse:

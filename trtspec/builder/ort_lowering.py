@@ -155,19 +155,168 @@ def tied_int4(graph: ir.Graph) -> int:
     return fired
 
 
-RULES = {"tied_int4": tied_int4, "tied_head_transposed": tied_head_transposed}
+def _input(graph: ir.Graph, name: str) -> ir.Value | None:
+    return next((v for v in graph.inputs if v.name == name), None)
 
 
-def lower(model: ir.Model, *, fuse_qdq: bool) -> dict[str, int]:
+def _int64(graph: ir.Graph, name: str, values) -> ir.Value:
+    return _const(graph, name, np.asarray(values, dtype=np.int64))
+
+
+def rms_norm(model: ir.Model) -> int:
+    """RMSNorm (Pow, ReduceMean, Add, Sqrt, Reciprocal, Mul, Mul) -> SimplifiedLayerNormalization; with the residual
+    Add before it -> SkipSimplifiedLayerNormalization (onnxscript's rules)."""
+    from onnxscript.rewriter.ort_fusions.rms_normalization import fuse_rms_normalization
+    from onnxscript.rewriter.ort_fusions.skip_normalization import fuse_skip_rms_normalization
+
+    fired = fuse_rms_normalization(model)
+    return fired + fuse_skip_rms_normalization(model) if fired else 0
+
+
+def _rope_table(value: ir.Value, position_ids: ir.Value):
+    """cos/sin as ``Unsqueeze(Gather(table, position_ids), [1])`` with a [S, D] table whose halves repeat:
+    -> the table's first half [S, D/2] (RotaryEmbedding's cache), else None."""
+    node = value.producer()
+    if node is None or node.op_type != "Unsqueeze":
+        return None
+    gather = node.inputs[0].producer()
+    if (gather is None or gather.op_type != "Gather" or gather.inputs[1] is not position_ids
+            or gather.inputs[0].const_value is None):
+        return None
+    axes = node.inputs[1].const_value if len(node.inputs) > 1 and node.inputs[1] is not None else None
+    if axes is None or axes.numpy().tolist() not in ([1], [-3]):
+        return None
+    table = gather.inputs[0].const_value.numpy()
+    half = table.shape[-1] // 2
+    if table.ndim != 2 or not np.array_equal(table[:, :half], table[:, half:]):
+        return None
+    return table[:, :half]
+
+
+def rotary_embedding(model: ir.Model) -> int:
+    """x * cos + rotate_half(x) * sin, cos/sin gathered from position tables -> com.microsoft RotaryEmbedding
+    (position_ids, cos/sin caches [S_max, D/2]); onnxscript's rule finds the pattern, this one lowers it."""
+    from onnxscript.rewriter.ort_fusions.rotary_embedding import fuse_rotary_embedding
+
+    graph = model.graph
+    position_ids = _input(graph, "position_ids")
+    if position_ids is None or not fuse_rotary_embedding(model):
+        return 0
+    caches: dict[int, tuple[ir.Value, ir.Value]] = {}
+    fired = 0
+    for node in [n for n in graph if n.op_type == "RotaryEmbedding" and n.domain == "ai.onnxruntime._fusion"]:
+        x, cos, sin = node.inputs
+        key = id(cos)
+        if key not in caches:
+            c, s = _rope_table(cos, position_ids), _rope_table(sin, position_ids)
+            if c is None or s is None:
+                raise ValueError(f"{node.name}: RoPE cos/sin are not a position-table lookup")
+            caches[key] = (_const(graph, "rope_cos_cache", np.ascontiguousarray(c)),
+                           _const(graph, "rope_sin_cache", np.ascontiguousarray(s)))
+        cos_cache, sin_cache = caches[key]
+        new = ir.node("RotaryEmbedding", [x, position_ids, cos_cache, sin_cache], domain=MS, name=f"{node.name}/ort",
+                      attributes={"interleaved": 0})
+        graph.insert_before(node, new)
+        _take_over(node.outputs[0], new.outputs[0])
+        graph.remove(node, safe=True)
+        fired += 1
+    for key in [k for k in model.functions if k[0] == "ai.onnxruntime._fusion"]:
+        del model.functions[key]
+    model.opset_imports.pop("ai.onnxruntime._fusion", None)
+    return fired
+
+
+def attention_live_length(model: ir.Model) -> int:
+    """Attention over the live part of the cache: slots [0, L) with L = max(position_ids) + 1, so a call's
+    attention cost follows the longest sequence in the batch instead of the capacity S_max (the mask hides a
+    shorter row's slots beyond its own positions, as before)."""
+    graph = model.graph
+    position_ids = _input(graph, "position_ids")
+    nodes = [n for n in graph if n.op_type == "Attention" and n.domain == ""
+             and len(n.inputs) >= 4 and n.inputs[3] is not None
+             and all(n.inputs[i].producer() is not None and n.inputs[i].producer().op_type == "TensorScatter"
+                     for i in (1, 2))]
+    if position_ids is None or not nodes:
+        return 0
+    anchor = next(iter(graph))  # position_ids is a graph input: compute L once, first
+    top = _op(graph, anchor, "ReduceMax", [position_ids], "live_length/max", keepdims=0)
+    length = _op(graph, anchor, "Add", [_op(graph, anchor, "Reshape", [top, _int64(graph, "live_length.shape", [1])],
+                                            "live_length/max1"),
+                                        _int64(graph, "live_length.one", [1])], "live_length/value")
+    zero, seq_axis, mask_axis = (_int64(graph, "live_length.zero", [0]), _int64(graph, "live_length.kv_axis", [2]),
+                                 _int64(graph, "live_length.mask_axis", [3]))
+    masks: dict[int, ir.Value] = {}
+    for node in nodes:
+        mask = node.inputs[3]
+        if id(mask) not in masks:
+            masks[id(mask)] = _op(graph, node, "Slice", [mask, zero, length, mask_axis], f"{node.name}/live_mask")
+        k = _op(graph, node, "Slice", [node.inputs[1], zero, length, seq_axis], f"{node.name}/live_key")
+        v = _op(graph, node, "Slice", [node.inputs[2], zero, length, seq_axis], f"{node.name}/live_value")
+        node.replace_input_with(1, k)
+        node.replace_input_with(2, v)
+        node.replace_input_with(3, masks[id(mask)])
+    return len(nodes)
+
+
+def _pack_matmuls(graph: ir.Graph, names: tuple[str, ...]) -> int:
+    """MatMuls that read one input with constant float weights [K, N_i] -> one MatMul with the weights
+    concatenated along N, then Split: one larger GEMV reads the same bytes with fewer kernel launches."""
+    fired = 0
+    for x in list(graph.inputs) + [o for n in graph for o in n.outputs]:
+        group = [u.node for u in x.uses() if u.node.op_type == "MatMul" and u.node.domain == "" and u.idx == 0
+                 and u.node.inputs[1].const_value is not None and len(u.node.inputs[1].shape) == 2
+                 and u.node.inputs[1].const_value.dtype in (ir.DataType.FLOAT, ir.DataType.FLOAT16)
+                 and any(u.node.name.endswith(suffix) for suffix in names)]
+        if len(group) < 2:
+            continue
+        group.sort(key=lambda n: names.index(next(s for s in names if n.name.endswith(s))))
+        weights = [n.inputs[1] for n in group]
+        if any(len(w.uses()) != 1 for w in weights) or len({w.shape[0] for w in weights}) != 1:
+            continue
+        packed = np.concatenate([w.const_value.numpy() for w in weights], axis=1)
+        w = _const(graph, f"{group[0].name}/packed.weight", packed)
+        anchor = min(group, key=lambda n: list(graph).index(n))
+        y = _op(graph, anchor, "MatMul", [x, w], f"{group[0].name}/packed")
+        split = ir.node("Split", [y, _int64(graph, f"{group[0].name}/packed.sizes", [w_.shape[1] for w_ in weights])],
+                        attributes={"axis": -1}, num_outputs=len(group), name=f"{group[0].name}/split")
+        graph.insert_before(anchor, split)
+        for node, out in zip(group, split.outputs):
+            _take_over(node.outputs[0], out)
+            graph.remove(node, safe=True)
+        for w_ in weights:
+            graph.initializers.pop(w_.name)
+        fired += 1
+    return fired
+
+
+def packed_qkv(model: ir.Model) -> int:
+    return _pack_matmuls(model.graph, ("q_proj", "k_proj", "v_proj"))
+
+
+def packed_gate_up(model: ir.Model) -> int:
+    return _pack_matmuls(model.graph, ("gate_proj", "up_proj"))
+
+
+# Storage rules (every weight once) run on every build; the fusions only without --no-fusion.
+STORAGE_RULES = {"tied_int4": lambda m: tied_int4(m.graph), "tied_head_transposed": lambda m: tied_head_transposed(m.graph)}
+FUSION_RULES = {"rms_norm": rms_norm, "rotary_embedding": rotary_embedding, "attention_live_length": attention_live_length,
+                "packed_qkv": packed_qkv, "packed_gate_up": packed_gate_up}
+
+
+def lower(model: ir.Model, *, fuse_qdq: bool, fusion: bool = True, skip: tuple[str, ...] = ()) -> dict[str, int]:
     """Apply the rules to ``model`` in place; returns {rule: times fired} for the rules that fired."""
     applied = {}
-    for name, rule in RULES.items():
-        if name == "tied_int4" and not fuse_qdq:
+    rules = {**STORAGE_RULES, **(FUSION_RULES if fusion else {})}
+    for name, rule in rules.items():
+        if name in skip or (name == "tied_int4" and not fuse_qdq):
             continue  # without Q/DQ fusion the engine computes exactly what the Q/DQ nodes say
-        fired = rule(model.graph)
+        fired = rule(model)
         if fired:
             applied[name] = fired
     if applied:
+        from onnx_ir.passes.common import RemoveUnusedNodesPass
+
+        RemoveUnusedNodesPass()(model)  # e.g. the RoPE tables' lookups the RotaryEmbedding caches replaced
         model.opset_imports.setdefault(MS, 1)
         model.graph.sort()
     return applied

@@ -164,6 +164,11 @@ def export(
     import onnx
     import torch
 
+    if not log.isEnabledFor(logging.DEBUG):
+        # torch configures its loggers when imported; its exporter's notes (e.g. "torchvision is not
+        # installed") only with -v
+        logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+
     from .kv_cache_op import TRANSLATION_TABLE
     from .step_model import StepModel
 

@@ -1,0 +1,402 @@
+"""Distil a small draft model from a target: `trtspec distill` / `trtspec.distill(...)`.
+
+    trtspec.distill("models/target", "models/draft", ["src/"], steps=1200)
+
+The draft has the target's family and tokenizer (so trtspec's vocabulary check passes), a smaller shape
+(default: half the hidden size, a third of the layers, the target's head size, tied embeddings) and
+embeddings initialised from the target's: copied when the hidden sizes match, otherwise the target's
+embedding projected on its leading principal directions. Its loss is the KL divergence from the target's
+next-token distribution at a temperature (``kd_weight`` = 1), optionally mixed with cross-entropy on the
+text (``kd_weight`` < 1; 0 trains without distillation, the baseline) and with rows of the target's own
+sampled continuations (``sampled_fraction``).
+
+Training resumes from ``OUT/.distill/checkpoint.pt`` when the same command is run again, is deterministic
+under ``seed`` for a ``steps`` budget, and ends with a report (``OUT/distill_report.json``): the loss curve,
+the held-out KL and perplexity, and the greedy per-token acceptance alpha against the target at k = 4,
+measured by running speculative decoding through trtspec onnxruntime engines.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .errors import TrtspecError, UnsupportedModelError
+from .training import TrainConfig, TrainLoop, random_windows
+
+log = logging.getLogger("trtspec")
+
+WORK = ".distill"
+REPORT = "distill_report.json"
+
+
+class DistillError(TrtspecError, ValueError):
+    """Bad input to distill: no data, a non-empty output directory, impossible shapes."""
+
+
+# -- data --------------------------------------------------------------------------------------------------------
+def collect_files(paths, pattern: str = "*.py") -> list[tuple[Path, str]]:
+    """(file, key) for every file given or found under a directory given; key = path relative to the argument."""
+    found = []
+    for arg in paths:
+        arg = Path(arg)
+        if arg.is_dir():
+            for p in sorted(arg.rglob(pattern)):
+                if p.is_file():
+                    found.append((p, p.relative_to(arg).as_posix()))
+        elif arg.is_file():
+            found.append((arg, arg.name))
+        else:
+            raise DistillError(f"training data {arg} does not exist; pass text files or directories of them")
+    return found
+
+
+def heldout_key(key: str) -> bool:
+    """The held-out rule of the bundled pair: sha256(relative path) mod 20 == 0 (~5 % of files)."""
+    return int(hashlib.sha256(key.encode()).hexdigest(), 16) % 20 == 0
+
+
+def encode_files(tokenizer, files: list[Path]) -> np.ndarray:
+    """Every file as <bos> text <eos>, concatenated into one packed stream: [N] int32."""
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    ids: list[int] = []
+    for start in range(0, len(files), 64):
+        texts = [Path(p).read_text(encoding="utf-8", errors="replace") for p in files[start : start + 64]]
+        for enc in tokenizer(texts, add_special_tokens=False)["input_ids"]:
+            ids.extend([*bos, *enc, *eos])
+    return np.asarray(ids, dtype=np.int32)
+
+
+def heldout_prompts(files: list[Path], tokenizer, n: int, prompt_tokens: int = 64) -> list[str]:
+    """Whole lines from a third of the way into each held-out file, about prompt_tokens long."""
+    prompts = []
+    for p in files:
+        lines = Path(p).read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)
+        acc = ""
+        for line in lines[len(lines) // 3 :]:
+            if len(tokenizer(acc + line, add_special_tokens=False)["input_ids"]) > prompt_tokens:
+                break
+            acc += line
+        if len(tokenizer(acc, add_special_tokens=False)["input_ids"]) >= prompt_tokens // 2:
+            prompts.append(acc)
+        if len(prompts) == n:
+            break
+    return prompts
+
+
+# -- the draft's shape -----------------------------------------------------------------------------------------------
+def draft_config(target_config, *, layers=None, hidden=None, heads=None, kv_heads=None, intermediate=None):
+    """The target's config class and settings at a smaller shape, with tied embeddings."""
+    from .exporter.architectures import arch_spec
+
+    spec = arch_spec(target_config)
+    d = target_config.to_dict()
+    hidden = hidden or max(spec.head_dim, spec.hidden_size // 2)
+    layers = layers or max(1, spec.num_layers // 3)
+    head_dim = spec.head_dim if hidden % spec.head_dim == 0 else None
+    heads = heads or (hidden // head_dim if head_dim else spec.num_heads)
+    if hidden % heads:
+        raise DistillError(f"hidden size {hidden} is not a multiple of the head count {heads}; pass --heads")
+    if spec.family == "gpt2":
+        if kv_heads not in (None, heads):
+            raise DistillError("gpt2 has no grouped-query attention: --kv-heads must equal --heads")
+        d.update(n_embd=hidden, n_layer=layers, n_head=heads,
+                 n_inner=intermediate or (None if target_config.n_inner is None else target_config.n_inner * hidden // spec.hidden_size),
+                 tie_word_embeddings=True)
+    else:
+        ratio = max(1, spec.num_heads // spec.num_kv_heads)
+        kv_heads = kv_heads or max(1, heads // ratio)
+        if heads % kv_heads:
+            raise DistillError(f"the head count {heads} is not a multiple of the KV head count {kv_heads}; pass --kv-heads")
+        intermediate = intermediate or max(1, round(target_config.intermediate_size * hidden / spec.hidden_size))
+        d.update(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                 intermediate_size=intermediate, tie_word_embeddings=True)
+        if "head_dim" in d:
+            d["head_dim"] = hidden // heads
+        if isinstance(d.get("layer_types"), list):
+            types = d["layer_types"]
+            d["layer_types"] = [types[i] if i < len(types) else types[-1] for i in range(layers)]
+        if "max_window_layers" in d:
+            d["max_window_layers"] = min(d["max_window_layers"], layers)
+    for key in ("architectures", "_name_or_path", "transformers_version"):
+        d.pop(key, None)
+    return type(target_config).from_dict(d)
+
+
+def init_embeddings(draft, target) -> str:
+    """Copy the target's input embedding into the draft, or its projection on the top principal directions."""
+    import torch
+
+    src = target.get_input_embeddings().weight.detach().float()
+    dst = draft.get_input_embeddings().weight
+    rows = min(src.shape[0], dst.shape[0])
+    with torch.no_grad():
+        if src.shape[1] == dst.shape[1]:
+            dst[:rows] = src[:rows].to(dst.dtype)
+            return "copied from the target"
+        h = dst.shape[1]
+        if h > src.shape[1]:
+            return f"random (the draft's hidden size {h} exceeds the target's {src.shape[1]})"
+        centred = src - src.mean(0, keepdim=True)
+        u, s, _ = torch.linalg.svd(centred, full_matrices=False)
+        proj = u[:, :h] * s[:h]
+        proj *= src.std() / proj.std()
+        dst[:rows] = proj[:rows].to(dst.dtype)
+        kept = float((s[:h] ** 2).sum() / (s**2).sum())
+        return f"the target's embedding on its top {h} principal directions ({kept:.0%} of its variance)"
+
+
+# -- losses and evaluation ---------------------------------------------------------------------------------------------
+def kd_loss(draft_logits, target_logits, labels, temperature: float, kd_weight: float):
+    """kd_weight * T^2 KL(target_T || draft_T) + (1 - kd_weight) * CE(draft, labels), mean per token."""
+    import torch.nn.functional as F
+
+    v = draft_logits.shape[-1]
+    d = draft_logits.float().reshape(-1, v)
+    loss = 0.0
+    if kd_weight > 0:
+        t = target_logits.float().reshape(-1, v)
+        kl = F.kl_div(F.log_softmax(d / temperature, -1), F.log_softmax(t / temperature, -1),
+                      log_target=True, reduction="batchmean")
+        loss = loss + kd_weight * temperature**2 * kl
+    if kd_weight < 1:
+        loss = loss + (1 - kd_weight) * F.cross_entropy(d, labels.reshape(-1))
+    return loss
+
+
+def heldout_metrics(draft, target, held: np.ndarray, seq: int, max_tokens: int = 65_536, batch: int = 8) -> dict:
+    """Mean per-token KL(target || draft) and the draft's and target's perplexity on the held-out stream."""
+    import torch
+    import torch.nn.functional as F
+
+    n = min(held.size - 1, max_tokens) // seq * seq
+    if n == 0:
+        return {}
+    kl_sum = ce_d = ce_t = 0.0
+    count = 0
+    with torch.no_grad():
+        for s in range(0, n, seq * batch):
+            e = min(s + seq * batch, n)
+            x = torch.from_numpy(held[s:e].astype(np.int64)).reshape(-1, seq)
+            y = torch.from_numpy(held[s + 1 : e + 1].astype(np.int64)).reshape(-1)
+            d = draft(input_ids=x).logits.float().reshape(-1, draft.config.vocab_size)
+            t = target(input_ids=x).logits.float().reshape(-1, target.config.vocab_size)
+            v = min(d.shape[-1], t.shape[-1])
+            kl_sum += float(F.kl_div(F.log_softmax(d[:, :v], -1), F.log_softmax(t[:, :v], -1), log_target=True,
+                                     reduction="sum"))
+            ce_d += float(F.cross_entropy(d, y, reduction="sum"))
+            ce_t += float(F.cross_entropy(t, y, reduction="sum"))
+            count += y.numel()
+    return {"heldout_tokens": count, "heldout_kl": kl_sum / count, "heldout_perplexity": math.exp(ce_d / count),
+            "target_heldout_perplexity": math.exp(ce_t / count)}
+
+
+def measure_acceptance(target_dir: Path, draft_dir: Path, prompts: list[str], *, k: int = 4,
+                       max_new_tokens: int = 64, threads: int | None = None) -> dict:
+    """Greedy speculative decoding through trtspec onnxruntime engines: per-token acceptance alpha at k."""
+    from .builder import build
+    from .exporter import export
+    from .runtime import Generator
+
+    with tempfile.TemporaryDirectory(prefix="trtspec-distill-") as tmp:
+        tmp = Path(tmp)
+        engines = {}
+        for name, src in (("target", target_dir), ("draft", draft_dir)):
+            exported = export(src, tmp / f"{name}-export", max_seq_len=512, max_batch=4)
+            engines[name] = build(exported, tmp / f"{name}-engine", backend="onnxruntime")
+        gen = Generator(engines["target"], engines["draft"], num_draft_tokens=k, num_threads=threads)
+        try:
+            out = gen.generate(prompts, max_new_tokens=max_new_tokens, temperature=0.0)
+        finally:
+            gen.close()
+    stats = out.stats
+    calls = sum(r.stats.target_calls for r in out)  # per request (a batched call serves several)
+    return {"k": k, "prompts": len(prompts), "max_new_tokens": max_new_tokens, "alpha": stats.token_acceptance,
+            "acceptance_rate": stats.acceptance_rate,
+            "tokens_per_target_call": stats.new_tokens / calls if calls else 0.0}
+
+
+# -- the command -------------------------------------------------------------------------------------------------------
+def _check_out_dir(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise DistillError(f"{out} exists and is not a directory; pass a new or empty --out directory")
+    if out.exists() and any(p.name != WORK for p in out.iterdir()):
+        raise DistillError(f"{out} is not empty; distill writes a new model directory there: pass a new or empty "
+                           f"--out (a stopped run resumes when only its {WORK}/ directory is there)")
+
+
+def distill(target, out, data, *, heldout=None, pattern: str = "*.py", layers: int | None = None,
+            hidden: int | None = None, heads: int | None = None, kv_heads: int | None = None,
+            intermediate: int | None = None, steps: int | None = None, minutes: float | None = None,
+            batch: int = 16, seq: int = 256, lr: float = 3e-3, temperature: float = 1.0, kd_weight: float = 1.0,
+            sampled_fraction: float = 0.0, seed: int = 0, dtype: str | None = None, bf16: bool = True,
+            eval_prompts: int = 16, eval_k: int = 4, eval_tokens: int = 64, threads: int | None = None,
+            checkpoint_every: int = 50, log_fn=None) -> dict:
+    """Train a draft for ``target`` into ``out`` (an HF model directory) and return the report (see module doc).
+
+    data/heldout: text files or directories (searched for ``pattern``). Without ``heldout``, files whose
+    relative path hashes to 0 mod 20 are held out (and never trained on).
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    say = log_fn or (lambda msg: print(msg, flush=True))
+    target, out = Path(target), Path(out)
+    if steps is None and minutes is None:
+        steps = 1000
+    if not 0.0 <= kd_weight <= 1.0:
+        raise DistillError(f"kd_weight must be in [0, 1] (1: pure distillation, 0: no distillation), got {kd_weight}")
+    if temperature <= 0:
+        raise DistillError(f"temperature must be > 0, got {temperature}")
+    if not 0.0 <= sampled_fraction < 1.0:
+        raise DistillError(f"sampled_fraction must be in [0, 1), got {sampled_fraction}")
+    if seq < 8 or batch < 1:
+        raise DistillError(f"seq must be >= 8 and batch >= 1 (got seq {seq}, batch {batch})")
+    if not (target / "config.json").is_file():
+        raise UnsupportedModelError(f"{target} has no config.json; pass the target's Hugging Face model directory")
+    target_config = AutoConfig.from_pretrained(target)
+    from .exporter.architectures import arch_spec
+
+    spec = arch_spec(target_config)  # unknown families are refused here, before any work
+    _check_out_dir(out)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(target)
+    except (OSError, ValueError, TypeError) as e:
+        raise UnsupportedModelError(f"{target} has no usable tokenizer ({type(e).__name__}); the draft must share "
+                                    f"the target's, so save it into {target} first") from None
+    if len(tokenizer) > spec.vocab_size:
+        raise DistillError(f"{target}'s tokenizer has {len(tokenizer)} tokens but its model's vocabulary has "
+                           f"{spec.vocab_size}: they do not belong together")
+    if threads:
+        torch.set_num_threads(threads)
+
+    files = collect_files(data, pattern)
+    if heldout is not None:
+        held_files = [p for p, _ in collect_files(heldout, pattern)]
+        held_set = {p.resolve() for p in held_files}
+        train_files = [p for p, _ in files if p.resolve() not in held_set]
+    else:
+        train_files = [p for p, key in files if not heldout_key(key)]
+        held_files = [p for p, key in files if heldout_key(key)]
+    if not train_files:
+        raise DistillError(f"no training text: no {pattern} files under {', '.join(map(str, data))}")
+    t0 = time.perf_counter()
+    train_ids = encode_files(tokenizer, train_files)
+    held_ids = encode_files(tokenizer, held_files) if held_files else np.zeros(0, np.int32)
+    if held_ids.size < seq + 1:  # too little held out: keep the last 5 % of the stream aside instead
+        cut = int(train_ids.size * 0.95)
+        train_ids, held_ids = train_ids[:cut], train_ids[cut:]
+    if train_ids.size < seq + 2:
+        raise DistillError(f"the training text is {train_ids.size} tokens; at least {seq + 2} are needed "
+                           f"(or pass a smaller seq)")
+    if int(train_ids.max()) >= spec.vocab_size:
+        raise DistillError(f"the tokenizer produced id {int(train_ids.max())} >= the model's vocabulary {spec.vocab_size}")
+    say(f"[distill] {len(train_files)} training files ({train_ids.size:,} tokens), {len(held_files)} held out "
+        f"({held_ids.size:,} tokens); tokenized in {time.perf_counter() - t0:.1f} s")
+
+    teacher = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    config = draft_config(target_config, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
+                          intermediate=intermediate)
+    torch.manual_seed(seed)
+    draft = AutoModelForCausalLM.from_config(config)
+    draft.config.use_cache = True
+    emb_init = init_embeddings(draft, teacher)
+    n_params = sum(p.numel() for p in draft.parameters())
+    draft_spec = arch_spec(config)
+    say(f"[distill] target {spec.model_type} {spec.num_layers} layers x {spec.hidden_size}; draft {draft_spec.num_layers} "
+        f"layers x {draft_spec.hidden_size}, {draft_spec.num_heads} heads ({draft_spec.num_kv_heads} KV), "
+        f"{n_params / 1e6:.2f}M parameters; embeddings: {emb_init}")
+
+    cfg = TrainConfig(steps=steps, minutes=minutes if steps is None else None, batch=batch, seq=seq, lr=lr, seed=seed,
+                      bf16=bf16, checkpoint_every=checkpoint_every,
+                      extra={"target": str(target.resolve()), "draft_config": config.to_diff_dict(),
+                             "temperature": temperature, "kd_weight": kd_weight, "sampled_fraction": sampled_fraction,
+                             "train_tokens": int(train_ids.size)})
+    loop = TrainLoop(draft, cfg, out / WORK, name="distill", log=say)
+    n_sampled = round(sampled_fraction * batch)
+
+    def batch_fn(step):
+        windows = torch.from_numpy(random_windows(train_ids, batch, seq, seed, step))
+        if n_sampled:
+            windows[:n_sampled] = sample_continuations(teacher, windows[:n_sampled], seq // 4, seed, step,
+                                                       tokenizer.eos_token_id)
+        return windows
+
+    def loss_fn(model, w, step):
+        x, y = w[:, :-1], w[:, 1:]
+        with torch.no_grad():
+            t_logits = teacher(input_ids=x).logits if kd_weight > 0 else None
+        return kd_loss(model(input_ids=x).logits, t_logits, y, temperature, kd_weight)
+
+    seconds = loop.run(batch_fn, loss_fn)
+
+    say("[distill] evaluating on the held-out text")
+    metrics = heldout_metrics(draft, teacher, held_ids, seq)
+    final = out / WORK / "final"
+    save_dtype = getattr(torch, dtype) if dtype else (getattr(target_config, "dtype", None) or torch.float32)
+    if isinstance(save_dtype, str):
+        save_dtype = getattr(torch, save_dtype)
+    draft.to(save_dtype).save_pretrained(final)
+    tokenizer.save_pretrained(final)
+    if (target / "generation_config.json").is_file():
+        shutil.copy(target / "generation_config.json", final / "generation_config.json")
+    report = {
+        "target": str(target), "draft": str(out), "parameters": n_params, "config": config.to_diff_dict(),
+        "embedding_init": emb_init, "data": {"train_files": len(train_files), "heldout_files": len(held_files),
+                                             "train_tokens": int(train_ids.size), "heldout_tokens": int(held_ids.size)},
+        "training": {"steps": loop.total_steps, "batch": batch, "seq": seq, "tokens_seen": loop.total_steps * batch * seq,
+                     "peak_lr": lr, "temperature": temperature, "kd_weight": kd_weight,
+                     "sampled_fraction": sampled_fraction, "seed": seed, "bf16_autocast": loop.autocast,
+                     "train_minutes": seconds / 60},
+        "loss_curve": loop.history, **metrics,
+    }
+    for f in final.iterdir():  # the model appears in out only once it is complete
+        f.replace(out / f.name)
+    (out / REPORT).write_text(json.dumps(report, indent=2))
+    shutil.rmtree(out / WORK)
+
+    if eval_prompts:
+        prompts = heldout_prompts(held_files, tokenizer, eval_prompts)
+        if not prompts:  # held out as the end of the stream: prompts are windows of it
+            starts = range(0, max(0, held_ids.size - 48), max(48, held_ids.size // eval_prompts))
+            prompts = [tokenizer.decode(held_ids[s : s + 48]) for s in starts][:eval_prompts]
+        if prompts:
+            say(f"[distill] measuring greedy acceptance at k={eval_k} through trtspec engines ({len(prompts)} prompts)")
+            report["acceptance"] = measure_acceptance(target, out, prompts, k=eval_k, max_new_tokens=eval_tokens,
+                                                      threads=threads)
+            (out / REPORT).write_text(json.dumps(report, indent=2))
+    say(f"[distill] wrote {out}: held-out KL {metrics.get('heldout_kl', float('nan')):.3f}, perplexity "
+        f"{metrics.get('heldout_perplexity', float('nan')):.2f} (target {metrics.get('target_heldout_perplexity', float('nan')):.2f})"
+        + (f", alpha {report['acceptance']['alpha']:.3f} at k={eval_k}" if "acceptance" in report else ""))
+    return report
+
+
+def sample_continuations(teacher, windows, prompt_len: int, seed: int, step: int, eos_id):
+    """Replace each row after its first prompt_len tokens by the target's own sample (temperature 1)."""
+    import torch
+
+    rows, total = windows.shape
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    ids = windows[:, :prompt_len].clone()
+    with torch.no_grad():
+        out = teacher(input_ids=ids, use_cache=True)
+        past = out.past_key_values
+        logits = out.logits[:, -1].float()
+        pieces = [ids]
+        for _ in range(total - prompt_len):
+            nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)
+            pieces.append(nxt)
+            out = teacher(input_ids=nxt, past_key_values=past, use_cache=True)
+            past, logits = out.past_key_values, out.logits[:, -1].float()
+    return torch.cat(pieces, 1)
