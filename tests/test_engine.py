@@ -44,12 +44,14 @@ def test_cache_is_written_in_place_at_exactly_the_written_slots(engine_dir):
         expected[0, 5:8] = True
         expected[1, 9:12] = True
         np.testing.assert_array_equal(changed, expected)
-    # onnxruntime returned the present_* outputs in our buffers: no copy of the cache was made
-    outputs = engine._binding.get_outputs()
-    names = [n for n in engine.session.get_outputs()]
-    assert len(outputs) == len(names)
-    bound = {o.data_ptr() for o in outputs}
-    assert set(addresses) <= bound
+    # onnxruntime returned the present_* outputs in our buffers: no copy of the cache was made, by the graph
+    # of several-token calls and (after a one-token call) by the decode graph
+    engine.forward(random_ids(2, seed=3).reshape(2, 1), np.array([[8], [12]]))
+    for g in (engine._graph_for(2, 3), engine._graph_for(2, 1)):
+        outputs = g.binding.get_outputs()
+        assert len(outputs) == len(g.session.get_outputs())
+        assert set(addresses) <= {o.data_ptr() for o in outputs}
+    assert engine._graph_for(2, 3) is not engine._graph_for(2, 1)  # the fused build has both
 
 
 def test_position_beyond_capacity_is_refused_and_the_cache_is_untouched(engine_dir, model_dir, hf_model):
@@ -162,3 +164,24 @@ def test_a_saved_prefix_loaded_into_another_row_continues_the_same_sequence(engi
     engine.load_prefix(saved, 2)
     logits = engine.forward(ids[None, 8:9].repeat(3, 0), np.full((3, 1), 8))
     np.testing.assert_allclose(logits[2, 0], hf_logits(hf, ids)[-1], atol=TOL, rtol=0)
+
+
+def test_fused_engine_runs_single_row_and_single_token_calls_on_its_decode_graph(built, model_dir, hf_model):
+    engine_dir = built("llama-gqa-rope3")
+    decode = json.loads((engine_dir / "manifest.json").read_text())["build"]["decode_graph"]
+    assert decode["graph"] == "decode.onnx" and decode["group_query_attention"] == 2
+    engine = load_engine(engine_dir)
+    model = hf_model(model_dir("llama-gqa-rope3"))
+    a, b = random_ids(12, seed=21), random_ids(10, seed=22)
+    ref_a, ref_b = hf_logits(model, a), hf_logits(model, b)
+    # one row at a time (prefill, then a 3-token verify), then both rows one token each: the decode graph only
+    np.testing.assert_allclose(engine.forward(a[None, :8], np.arange(8)[None])[0], ref_a[:8], atol=TOL, rtol=0)
+    np.testing.assert_allclose(engine.forward(b[None, :6], np.arange(6)[None], first_row=1)[0], ref_b[:6], atol=TOL, rtol=0)
+    np.testing.assert_allclose(engine.forward(a[None, 8:11], np.arange(8, 11)[None])[0], ref_a[8:11], atol=TOL, rtol=0)
+    out = engine.forward(np.array([[a[11]], [b[6]]]), np.array([[11], [6]]))
+    np.testing.assert_allclose(out[:, 0], np.stack([ref_a[11], ref_b[6]]), atol=TOL, rtol=0)
+    assert engine._full is None  # the built graph was never needed
+    # two rows x three tokens: the built graph, over the same cache
+    out = engine.forward(np.stack([b[7:10], b[7:10]]), np.stack([np.arange(7, 10), np.arange(7, 10)]))
+    np.testing.assert_allclose(out[1], ref_b[7:10], atol=TOL, rtol=0)
+    assert engine._full is not None

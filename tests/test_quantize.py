@@ -345,11 +345,13 @@ def test_quantized_logits_are_close_to_float32(quantized, exported, mode):
 def test_onnxruntime_engine_runs_int4_in_matmul_nbits_and_stays_close_to_the_qdq_graph(quantized):
     out = quantized("llama", "int4-rtn")
     fused = build(out, out.parent / "fused")
-    kernels = json.loads((fused / "manifest.json").read_text())["build"]["kernels"]
-    assert kernels == {"MatMulNBits": 14}
+    made = json.loads((fused / "manifest.json").read_text())["build"]
+    # 14 quantized linears; q/k/v and gate/up packed into one MatMulNBits each: 4 kernels per layer
+    assert made["rewrites"]["packed_qkv"] == 2 and made["rewrites"]["packed_gate_up"] == 2
+    assert made["kernels"] == {"MatMulNBits": 8}
     unfused = build(out, out.parent / "unfused", fuse_qdq=False)
     # unfused, the engine keeps the Q/DQ graph (INT4 on disk); onnxruntime dequantizes the weights when it loads it
-    assert json.loads((unfused / "manifest.json").read_text())["build"]["kernels"] == {"DequantizeLinear": 14}
+    assert json.loads((unfused / "manifest.json").read_text())["build"]["kernels"] == {"DequantizeLinear": 8}
     ids = np.asarray(random_ids(12, seed=7))
     a = load_engine(fused).forward(ids[None], np.arange(12)[None])[0]
     b = load_engine(unfused).forward(ids[None], np.arange(12)[None])[0]
@@ -552,7 +554,8 @@ def test_tied_int4_engine_runs_matmul_nbits_and_an_exact_packed_lookup(quantized
     out = quantized("llama", "int4-rtn", quantize_lm_head=True)
     fused = build(out, out.parent / "tied-fused")
     made = json.loads((fused / "manifest.json").read_text())["build"]
-    assert made["rewrites"]["tied_int4"] == 1 and made["kernels"] == {"MatMulNBits": 15}
+    # 14 linears packed into 8 MatMulNBits (q/k/v and gate/up merged) and the tied lm_head
+    assert made["rewrites"]["tied_int4"] == 1 and made["kernels"] == {"MatMulNBits": 9}
     ids = np.asarray(random_ids(12, seed=12))
     a = _prefill_then_decode(load_engine(fused), ids)
     b = _prefill_then_decode(load_engine(build(out, out.parent / "tied-plain", fuse_qdq=False)), ids)

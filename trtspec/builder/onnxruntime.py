@@ -24,6 +24,27 @@ log = logging.getLogger("trtspec.build")
 QUANTIZED_KERNELS = ("MatMulNBits", "MatMulIntegerToFloat", "QLinearMatMul", "DequantizeLinear", "QuantizeLinear")
 
 
+DECODE_GRAPH = "decode.onnx"
+
+
+def _decode_graph(tmp: Path, graph: str, model: dict) -> dict:
+    """decode.onnx beside the built graph (see ort_decode.py), or why there is none."""
+    import onnx_ir as ir
+
+    from .ort_decode import NotApplicable, rewrite
+
+    decode = ir.load(tmp / graph)  # its weights stay references into the built graph's data file
+    try:
+        layers = rewrite(decode, num_heads=model["num_heads"], num_kv_heads=model["num_kv_heads"])
+    except NotApplicable as e:
+        log.info("no decode graph: %s", e)
+        return {"graph": None, "reason": str(e)}
+    ir.save(decode, tmp / DECODE_GRAPH)
+    log.info("decode graph: GroupQueryAttention in %d layers", layers)
+    return {"graph": DECODE_GRAPH, "group_query_attention": layers,
+            "used_for": "calls of one row or one token; the others run the built graph"}
+
+
 def build_onnxruntime(export_dir: Path, export_manifest: dict, out_dir: Path, *, fuse_qdq: bool = True,
                       fusion: bool = True) -> Path:
     import onnx
@@ -34,7 +55,8 @@ def build_onnxruntime(export_dir: Path, export_manifest: dict, out_dir: Path, *,
 
     t0 = time.perf_counter()
     graph = export_manifest["graph"]
-    external = f"{graph}.data" in export_manifest["files"]
+    # fused builds keep their weights in a file of their own, which the decode graph shares
+    external = f"{graph}.data" in export_manifest["files"] or fusion
     quantization = export_manifest.get("quantization")
     if quantization is None and not fuse_qdq:
         raise ValueError("--no-qdq-fusion applies only to quantized exports (made by `trtspec quantize`); drop it")
@@ -79,6 +101,8 @@ def build_onnxruntime(export_dir: Path, export_manifest: dict, out_dir: Path, *,
             log.info("optimising %s with onnxruntime %s", export_dir / graph, ort.__version__)
             ort.InferenceSession(str(staged / graph), so, providers=["CPUExecutionProvider"])
             shutil.rmtree(staged)
+            if fusion:
+                build["decode_graph"] = _decode_graph(tmp, graph, export_manifest["model"])
         if quantization is not None:
             ops = collections.Counter(n.op_type for n in onnx.load(str(tmp / graph), load_external_data=False).graph.node)
             build["kernels"] = {op: ops[op] for op in QUANTIZED_KERNELS if ops[op]}

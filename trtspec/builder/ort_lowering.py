@@ -258,33 +258,73 @@ def attention_live_length(model: ir.Model) -> int:
     return len(nodes)
 
 
+def _weight_of(matmul: ir.Node):
+    """A MatMul's constant weight [K, N]: ("float", W) or ("dq", DequantizeLinear node) for a weight-only Q/DQ
+    weight blocked along K (what onnxruntime fuses into MatMulNBits); None for anything else."""
+    w = matmul.inputs[1]
+    if w.const_value is not None and len(w.shape or ()) == 2:
+        if w.const_value.dtype in (ir.DataType.FLOAT, ir.DataType.FLOAT16) and len(w.uses()) == 1:
+            return "float", w
+        return None
+    dq = w.producer()
+    if (dq is None or dq.op_type != "DequantizeLinear" or len(w.uses()) != 1 or dq.attributes.get_int("axis", 1) != 0
+            or any(i is not None and (i.const_value is None or len(i.uses()) != 1) for i in dq.inputs)
+            or len(dq.inputs[0].shape or ()) != 2):
+        return None
+    return "dq", dq
+
+
 def _pack_matmuls(graph: ir.Graph, names: tuple[str, ...]) -> int:
-    """MatMuls that read one input with constant float weights [K, N_i] -> one MatMul with the weights
-    concatenated along N, then Split: one larger GEMV reads the same bytes with fewer kernel launches."""
+    """MatMuls that read one input with constant weights [K, N_i] -> one MatMul with the weights concatenated
+    along N, then Split: one larger GEMV reads the same bytes with fewer kernel launches. Float weights, or
+    weight-only Q/DQ weights of one block size (concatenated with their scales, still Q/DQ: onnxruntime then
+    fuses the one DequantizeLinear -> MatMul into one MatMulNBits)."""
     fired = 0
     for x in list(graph.inputs) + [o for n in graph for o in n.outputs]:
         group = [u.node for u in x.uses() if u.node.op_type == "MatMul" and u.node.domain == "" and u.idx == 0
-                 and u.node.inputs[1].const_value is not None and len(u.node.inputs[1].shape) == 2
-                 and u.node.inputs[1].const_value.dtype in (ir.DataType.FLOAT, ir.DataType.FLOAT16)
                  and any(u.node.name.endswith(suffix) for suffix in names)]
-        if len(group) < 2:
+        weights = [_weight_of(n) for n in group]
+        if len(group) < 2 or any(w is None for w in weights) or len({w[0] for w in weights}) != 1:
             continue
-        group.sort(key=lambda n: names.index(next(s for s in names if n.name.endswith(s))))
-        weights = [n.inputs[1] for n in group]
-        if any(len(w.uses()) != 1 for w in weights) or len({w.shape[0] for w in weights}) != 1:
-            continue
-        packed = np.concatenate([w.const_value.numpy() for w in weights], axis=1)
-        w = _const(graph, f"{group[0].name}/packed.weight", packed)
+        order = sorted(range(len(group)), key=lambda i: names.index(next(s for s in names if group[i].name.endswith(s))))
+        group, weights = [group[i] for i in order], [weights[i] for i in order]
+        kind, base = weights[0][0], group[0].name
+        if kind == "float":
+            values = [w.const_value.numpy() for _, w in weights]
+            if len({v.shape[0] for v in values}) != 1:
+                continue
+            sizes = [v.shape[1] for v in values]
+            w = _const(graph, f"{base}/packed.weight", np.concatenate(values, axis=1))
+            dropped = [w_ for _, w_ in weights]
+        else:
+            dqs = [dq for _, dq in weights]
+            if (len({dq.attributes.get_int("block_size", 0) for dq in dqs}) != 1
+                    or len({tuple(dq.inputs[0].shape)[0] for dq in dqs}) != 1
+                    or len({len([i for i in dq.inputs if i is not None]) for dq in dqs}) != 1):
+                continue
+            sizes = [dq.inputs[0].shape[1] for dq in dqs]
+            parts = [_const(graph, f"{base}/packed.{role}", np.concatenate([dq.inputs[i].const_value.numpy() for dq in dqs], 1))
+                     for i, role in enumerate(("weight_quantized", "weight_scale", "weight_zero_point")[: len(
+                         [i for i in dqs[0].inputs if i is not None])])]
+            anchor = min(group, key=lambda n: list(graph).index(n))
+            dq_new = ir.node("DequantizeLinear", parts, attributes={"axis": 0, "block_size": dqs[0].attributes.get_int(
+                "block_size", 0)}, name=f"{base}/packed_dq")
+            graph.insert_before(anchor, dq_new)
+            w = dq_new.outputs[0]
+            dropped = [i for dq in dqs for i in dq.inputs if i is not None]
         anchor = min(group, key=lambda n: list(graph).index(n))
-        y = _op(graph, anchor, "MatMul", [x, w], f"{group[0].name}/packed")
-        split = ir.node("Split", [y, _int64(graph, f"{group[0].name}/packed.sizes", [w_.shape[1] for w_ in weights])],
-                        attributes={"axis": -1}, num_outputs=len(group), name=f"{group[0].name}/split")
+        y = _op(graph, anchor, "MatMul", [x, w], f"{base}/packed")
+        split = ir.node("Split", [y, _int64(graph, f"{base}/packed.sizes", sizes)],
+                        attributes={"axis": -1}, num_outputs=len(group), name=f"{base}/split")
         graph.insert_before(anchor, split)
         for node, out in zip(group, split.outputs):
             _take_over(node.outputs[0], out)
             graph.remove(node, safe=True)
-        for w_ in weights:
-            graph.initializers.pop(w_.name)
+        if kind == "dq":
+            for _, dq in weights:
+                graph.remove(dq, safe=True)
+        for w_ in dropped:
+            graph.initializers.pop(w_.name, None)
         fired += 1
     return fired
 

@@ -64,14 +64,29 @@ def fuses_qdq(manifest: dict) -> bool:
     return manifest.get("build", {}).get("fuse_qdq", True)
 
 
+class _Graph:
+    """One onnxruntime session over the engine's cache buffers, with its IOBinding and what is bound to it."""
+
+    def __init__(self, path: Path, options):
+        import onnxruntime as ort
+
+        self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        self.binding = self.session.io_binding()
+        self.rows = None  # (first_row, B) of the bound cache rows
+        self.shape = None  # (B, T) of the bound inputs and logits
+
+
 class OnnxRuntimeEngine:
-    """The step graph on onnxruntime's CPU provider. Not thread-safe: see engines/base.py (Engine)."""
+    """The step graph on onnxruntime's CPU provider. Not thread-safe: see engines/base.py (Engine).
+
+    An engine built with fusion may hold a second graph, ``decode.onnx`` (builder/ort_decode.py), that runs
+    every call of one row or one token; the built graph then runs only the others (several rows x several
+    tokens), loaded at the first such call. Both read and write the same cache buffers.
+    """
 
     backend = "onnxruntime"
 
     def __init__(self, path: Path, manifest: dict, *, num_threads: int | None = None):
-        import onnxruntime as ort
-
         self.path = Path(path)
         self.manifest = manifest
         model = manifest["model"]
@@ -79,28 +94,43 @@ class OnnxRuntimeEngine:
         self.max_batch = model["max_batch"]
         self.vocab_size = model["vocab_size"]
         self.dtype = _NP_DTYPES[model["dtype"]]
-        self.session = ort.InferenceSession(
-            str(self.path / manifest["graph"]), session_options(num_threads, fuse_qdq=fuses_qdq(manifest)), providers=["CPUExecutionProvider"]
-        )
+        self._options = session_options(num_threads, fuse_qdq=fuses_qdq(manifest))
+        decode = (manifest.get("build", {}).get("decode_graph") or {}).get("graph")
+        self._decode = _Graph(self.path / decode, self._options) if decode else None
+        self._full = None if self._decode else _Graph(self.path / manifest["graph"], self._options)
         self._logits_dtype = self.dtype
         cache_shape = (self.max_batch, model["num_kv_heads"], self.max_seq_len, model["head_dim"])
         self._aliases = list(model["kv_aliases"].items())  # (present, past)
         self.cache = {past: np.zeros(cache_shape, dtype=self.dtype) for _, past in self._aliases}
         self._logits = np.empty(0, dtype=self._logits_dtype)  # grows to the largest B*T*V seen, then reused
-        self._binding = self.session.io_binding()
-        self._bound_batch = None
         self._guard = CallGuard(str(self.path))
 
-    def _bind_cache(self, rows: tuple[int, int]):
+    @property
+    def session(self):
+        """The session that runs a one-token call (the decode graph where the engine has one)."""
+        return (self._decode or self._full).session
+
+    @property
+    def _binding(self):
+        return (self._decode or self._full).binding
+
+    def _graph_for(self, b: int, t: int) -> _Graph:
+        if self._decode is not None and (b == 1 or t == 1):
+            return self._decode
+        if self._full is None:
+            self._full = _Graph(self.path / self.manifest["graph"], self._options)
+        return self._full
+
+    def _bind_cache(self, g: _Graph, rows: tuple[int, int]):
         # Rebinding is needed only when the rows change: rows [first, first + b) are contiguous in each buffer.
         first, b = rows
         shape = [b, *next(iter(self.cache.values())).shape[1:]]
         for present, past in self._aliases:
             buf = self.cache[past]
             ptr = buf.ctypes.data + first * buf.strides[0]
-            self._binding.bind_input(past, "cpu", 0, self.dtype, shape, ptr)
-            self._binding.bind_output(present, "cpu", 0, self.dtype, shape, ptr)
-        self._bound_batch = rows
+            g.binding.bind_input(past, "cpu", 0, self.dtype, shape, ptr)
+            g.binding.bind_output(present, "cpu", 0, self.dtype, shape, ptr)
+        g.rows = rows
 
     def forward(self, input_ids, position_ids, first_row: int = 0):
         # input_ids [B, T] int64, position_ids [B, T] int64 -> logits [B, T, V]; cache rows [first_row, first_row + B)
@@ -111,18 +141,29 @@ class OnnxRuntimeEngine:
         )
         b, t = input_ids.shape
         with self._guard:
-            if (first_row, b) != self._bound_batch:
-                self._bind_cache((first_row, b))
-            n = b * t * self.vocab_size
-            if self._logits.size < n:
-                self._logits = np.empty(n, dtype=self._logits_dtype)
-            logits = self._logits[:n].reshape(b, t, self.vocab_size)
-            binding = self._binding
-            binding.bind_cpu_input("input_ids", input_ids)
-            binding.bind_cpu_input("position_ids", position_ids)
-            binding.bind_output("logits", "cpu", 0, self._logits_dtype, [b, t, self.vocab_size], logits.ctypes.data)
-            self.session.run_with_iobinding(binding)
-        return logits
+            g = self._graph_for(b, t)
+            if (first_row, b) != g.rows:
+                self._bind_cache(g, (first_row, b))
+            if (b, t) != g.shape or g.logits.base is not self._logits:
+                self._bind_io(g, b, t)
+            np.copyto(g.ids, input_ids)
+            np.copyto(g.pos, position_ids)
+            g.session.run_with_iobinding(g.binding)
+        return g.logits
+
+    def _bind_io(self, g: _Graph, b: int, t: int):
+        # input_ids/position_ids/logits live in buffers of ours, bound once per call shape: a call of the same
+        # shape as the last only copies its ids in (binding costs more than the copy, every decode step)
+        n = b * t * self.vocab_size
+        if self._logits.size < n:
+            self._logits = np.empty(n, dtype=self._logits_dtype)
+        g.logits = self._logits[:n].reshape(b, t, self.vocab_size)
+        g.ids = np.empty((b, t), np.int64)
+        g.pos = np.empty((b, t), np.int64)
+        g.binding.bind_input("input_ids", "cpu", 0, np.int64, [b, t], g.ids.ctypes.data)
+        g.binding.bind_input("position_ids", "cpu", 0, np.int64, [b, t], g.pos.ctypes.data)
+        g.binding.bind_output("logits", "cpu", 0, self._logits_dtype, [b, t, self.vocab_size], g.logits.ctypes.data)
+        g.shape = (b, t)
 
     def move_row(self, src: int, dst: int, n: int | None = None):
         with self._guard:

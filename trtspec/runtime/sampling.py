@@ -115,6 +115,8 @@ class RowSampler:
         from .speculative import accept_chosen, accept_sampling
 
         m = drafts.size
+        if m == 0 and self.mode == "greedy":  # plain decoding: the target's argmax, every round
+            return 0, int(target_logits[0].argmax())
         if self.mode == "rejection":
             return accept_sampling(drafts, draft_probs, self.params.probs(target_logits[: m + 1]), self.rng)
         if self.mode == "greedy":

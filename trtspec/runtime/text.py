@@ -27,6 +27,11 @@ class IncrementalText:
         return "".join(self.pieces)
 
     def _decode(self, ids) -> str:
+        # a fast tokenizer's own decoder directly: the transformers wrapper costs more than the decode itself
+        # for a few tokens, every round (same text: the wrapper only adds optional space clean-up, off here)
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            return backend.decode(ids.tolist(), skip_special_tokens=True)
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def advance(self, tokens: np.ndarray, end: int, final: bool = False) -> str:

@@ -1,0 +1,143 @@
+"""The decode graph of an onnxruntime engine: each layer's attention as one ``GroupQueryAttention``.
+
+onnxruntime's CPU ``GroupQueryAttention`` (com.microsoft) is its own in-place decoder attention: it takes the
+layer's new q/k/v in [B, T, heads * D], applies RoPE itself (``do_rotary``, from cos/sin caches), writes the new
+keys and values into the cache buffer it shares with the present output (the engine binds both to one buffer,
+as for ``TensorScatter``), and attends over each row's live length only (``seqlens_k``). It replaces about a
+dozen nodes per layer (Reshape/Transpose of q/k/v and of the output, two RotaryEmbedding, two TensorScatter,
+the live-length Slices, Attention).
+
+It cannot run every step call: onnxruntime 1.32 refuses a call of several rows x several tokens once the cache
+holds a past ("batch_size must be 1 when sequence_length > 1 and past context is given"). So an engine keeps
+both graphs over one weights file: ``decode.onnx`` for calls of one row or one token (every decode, draft and
+batch-1 verify or prefill call), ``model.onnx`` for the rest (a batched verify or chunk), loaded only when such
+a call comes.
+
+``make_decode_graph`` derives the decode graph from the built (lowered, onnxruntime-optimised) graph; both
+reference the same external weights file, so the weights are stored once.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import onnx_ir as ir
+
+log = logging.getLogger("trtspec.build")
+MS = "com.microsoft"
+
+
+class NotApplicable(Exception):
+    """Why a graph gets no decode graph (the reason goes to the build log and manifest)."""
+
+
+def _producer(value: ir.Value, op: str, domain: str = "") -> ir.Node:
+    node = value.producer() if value is not None else None
+    if node is None or node.op_type != op or node.domain != domain:
+        raise NotApplicable(f"{value.name if value is not None else 'a value'} is not made by {op}")
+    return node
+
+
+def _to_heads(value: ir.Value) -> tuple[ir.Value, ir.Node | None]:
+    """value = [RotaryEmbedding](Transpose(Reshape(x3), [0, 2, 1, 3])) -> (x3, the RotaryEmbedding or None)."""
+    node = value.producer()
+    rotary = None
+    if node is not None and node.op_type == "RotaryEmbedding" and node.domain == MS:
+        rotary, value = node, node.inputs[0]
+    transpose = _producer(value, "Transpose")
+    if list(transpose.attributes.get_ints("perm", [])) != [0, 2, 1, 3]:
+        raise NotApplicable(f"{transpose.name} is not the [B, T, H, D] -> [B, H, T, D] transpose")
+    reshape = _producer(transpose.inputs[0], "Reshape")
+    return reshape.inputs[0], rotary
+
+
+def _cache_write(value: ir.Value) -> ir.Node:
+    """The TensorScatter behind the (live-length Slice of the) key or value input of an Attention."""
+    node = value.producer()
+    if node is not None and node.op_type == "Slice":
+        value = node.inputs[0]
+    return _producer(value, "TensorScatter")
+
+
+def _const(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
+    value = ir.Value(name=name, const_value=ir.Tensor(array, name=name))
+    value.shape, value.type = ir.Shape(array.shape), ir.TensorType(value.const_value.dtype)
+    graph.register_initializer(value)
+    return value
+
+
+def _op(graph: ir.Graph, anchor: ir.Node, op: str, inputs, name: str, **attributes) -> ir.Value:
+    node = ir.node(op, inputs, attributes=attributes, name=name)
+    graph.insert_before(anchor, node)
+    return node.outputs[0]
+
+
+def rewrite(model: ir.Model, *, num_heads: int, num_kv_heads: int) -> int:
+    """Replace every layer's attention by GroupQueryAttention in place; returns the layer count.
+
+    Raises NotApplicable (the model left unusable: work on a copy) when a layer does not have the expected
+    form: sliding windows (several masks), softcap, or a layout this rule does not know.
+    """
+    graph = model.graph
+    position_ids = next((v for v in graph.inputs if v.name == "position_ids"), None)
+    attentions = [n for n in graph if n.op_type == "Attention" and n.domain == ""]
+    if position_ids is None or not attentions:
+        raise NotApplicable("no step-graph attention to rewrite")
+    masks = {id(n.inputs[3]) for n in attentions if len(n.inputs) > 3}
+    if len(masks) != 1:
+        raise NotApplicable("layers with sliding windows (several attention masks)")
+    mask = attentions[0].inputs[3].producer()
+    if mask is not None and mask.op_type == "Slice":  # the live-length slice
+        mask = mask.inputs[0].producer()
+    if mask is None or mask.op_type != "LessOrEqual":  # slot <= position, and nothing else
+        raise NotApplicable("the attention mask is not the plain causal one (a sliding window?)")
+    anchor = next(iter(graph))
+    last = _op(graph, anchor, "Gather", [position_ids, _const(graph, "gqa.last", np.array(-1, np.int64))],
+               "gqa/last_position", axis=1)  # [B]: each row's last position
+    seqlens_k = _op(graph, anchor, "Cast", [last], "gqa/seqlens_k", to=ir.DataType.INT32)
+    top = _op(graph, anchor, "ReduceMax", [position_ids], "gqa/max_position", keepdims=0)
+    total = _op(graph, anchor, "Cast", [_op(graph, anchor, "Add", [top, _const(graph, "gqa.one", np.array(1, np.int64))],
+                                            "gqa/total_plus")], "gqa/total_sequence_length", to=ir.DataType.INT32)
+    for attention in attentions:
+        if attention.attributes.get_float("softcap", 0.0) or attention.attributes.get_int("is_causal", 0):
+            raise NotApplicable(f"{attention.name} uses softcap or is_causal")
+        q3, q_rot = _to_heads(attention.inputs[0])
+        k_write, v_write = _cache_write(attention.inputs[1]), _cache_write(attention.inputs[2])
+        k3, k_rot = _to_heads(k_write.inputs[1])
+        v3, v_rot = _to_heads(v_write.inputs[1])
+        if (q_rot is None) != (k_rot is None) or v_rot is not None:
+            raise NotApplicable(f"{attention.name}: RoPE on q and k only was expected")
+        out_t = attention.outputs[0].uses()
+        if len(out_t) != 1 or out_t[0].node.op_type != "Transpose":
+            raise NotApplicable(f"{attention.name}: its output is not transposed back to [B, T, H, D]")
+        out_reshape = out_t[0].node.outputs[0].uses()
+        if len(out_reshape) != 1 or out_reshape[0].node.op_type != "Reshape":
+            raise NotApplicable(f"{attention.name}: its output is not reshaped to [B, T, H * D]")
+        reshape = out_reshape[0].node  # reads [B, T, H, D] contiguous, the same elements as GQA's [B, T, H * D]
+        inputs = [q3, k3, v3, k_write.inputs[0], v_write.inputs[0], seqlens_k, total]
+        attrs = {"num_heads": num_heads, "kv_num_heads": num_kv_heads}
+        scale = attention.attributes.get_float("scale", 0.0)
+        if scale:
+            attrs["scale"] = scale
+        if q_rot is not None:
+            for rot in (q_rot, k_rot):
+                if rot.inputs[1] is not position_ids or rot.attributes.get_int("interleaved", 0):
+                    raise NotApplicable(f"{rot.name}: RoPE not at position_ids, or interleaved")
+            inputs += [q_rot.inputs[2], q_rot.inputs[3]]
+            attrs.update(do_rotary=1, rotary_interleaved=0)
+        gqa = ir.node("GroupQueryAttention", inputs, attributes=attrs, domain=MS, num_outputs=3,
+                      name=f"{attention.name}/gqa")
+        graph.insert_before(attention, gqa)
+        reshape.replace_input_with(0, gqa.outputs[0])
+        for old, new in ((k_write.outputs[0], gqa.outputs[1]), (v_write.outputs[0], gqa.outputs[2])):
+            new.type, new.shape = old.type, old.shape
+            ir.convenience.replace_all_uses_with(old, new, replace_graph_outputs=True)
+            name, old.name = old.name, None
+            new.name = name
+    from onnx_ir.passes.common import RemoveUnusedNodesPass
+
+    RemoveUnusedNodesPass()(model)
+    model.opset_imports.setdefault(MS, 1)
+    graph.sort()
+    return len(attentions)
