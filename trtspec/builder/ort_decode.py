@@ -4,8 +4,8 @@ onnxruntime's CPU ``GroupQueryAttention`` (com.microsoft) is its own in-place de
 layer's new q/k/v in [B, T, heads * D], applies RoPE itself (``do_rotary``, from cos/sin caches), writes the new
 keys and values into the cache buffer it shares with the present output (the engine binds both to one buffer,
 as for ``TensorScatter``), and attends over each row's live length only (``seqlens_k``). It replaces about a
-dozen nodes per layer (Reshape/Transpose of q/k/v and of the output, two RotaryEmbedding, two TensorScatter,
-the live-length Slices, Attention).
+dozen nodes per layer (the Split of the packed q/k/v projection, Reshape/Transpose of q/k/v and of the output,
+two RotaryEmbedding, two TensorScatter, the live-length Slices, Attention).
 
 It cannot run every step call: onnxruntime 1.32 refuses a call of several rows x several tokens once the cache
 holds a past ("batch_size must be 1 when sequence_length > 1 and past context is given"). So an engine keeps
@@ -115,6 +115,11 @@ def rewrite(model: ir.Model, *, num_heads: int, num_kv_heads: int) -> int:
         if len(out_reshape) != 1 or out_reshape[0].node.op_type != "Reshape":
             raise NotApplicable(f"{attention.name}: its output is not reshaped to [B, T, H * D]")
         reshape = out_reshape[0].node  # reads [B, T, H, D] contiguous, the same elements as GQA's [B, T, H * D]
+        split = q3.producer()
+        if (split is not None and split.op_type == "Split" and len(split.outputs) == 3
+                and all(a is b for a, b in zip(split.outputs, (q3, k3, v3)))
+                and split.attributes.get_int("axis", 0) in (-1, 2)):
+            q3, k3, v3 = split.inputs[0], None, None  # the packed q/k/v projection: GQA splits it itself
         inputs = [q3, k3, v3, k_write.inputs[0], v_write.inputs[0], seqlens_k, total]
         attrs = {"num_heads": num_heads, "kv_num_heads": num_kv_heads}
         scale = attention.attributes.get_float("scale", 0.0)
