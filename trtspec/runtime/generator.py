@@ -96,7 +96,7 @@ class Generator:
         before = self.scheduler.stats()
         first_round = self.scheduler.round_log[-1][0] + 1 if self.scheduler.round_log else 0
         t0 = time.perf_counter()
-        handles = self.scheduler.submit_many(prompts, params)
+        handles = self.scheduler.submit_many(prompts, params, stream=False)
         try:
             results = [h.result() for h in handles]
         except BaseException:  # Ctrl-C, or one request failed: the others stop too

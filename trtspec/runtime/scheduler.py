@@ -145,7 +145,7 @@ class _Request:
 
     __slots__ = ("id", "seq", "prompt_ids", "max_new_tokens", "stop", "k", "priority", "sampler", "sink",
                  "submitted", "admitted", "last_emit", "cancelled", "prefix_only", "stats", "text", "finish_reason",
-                 "token_ids")
+                 "token_ids", "streaming")
 
     def __init__(self, seq, prompt_ids, max_new_tokens, stop, k, priority, sampler, sink, prefix_only=False):
         self.id = f"req-{uuid.uuid4().hex[:16]}"
@@ -166,6 +166,7 @@ class _Request:
         self.text = None
         self.finish_reason = None
         self.token_ids = None
+        self.streaming = True  # False: nobody reads text deltas, the text is decoded once when it finishes
 
 
 class RequestHandle:
@@ -520,11 +521,16 @@ class Scheduler:
         self._enqueue([request])
         return handle
 
-    def submit_many(self, prompts, params_list) -> list[RequestHandle]:
-        """Validate every request first, then queue them all (none is queued if one is invalid)."""
+    def submit_many(self, prompts, params_list, *, stream: bool = True) -> list[RequestHandle]:
+        """Validate every request first, then queue them all (none is queued if one is invalid).
+
+        ``stream=False``: the handles will only be asked for ``result()``; their text is decoded once, at the
+        end (stop strings still end a request at the right token), not block by block every round.
+        """
         requests = [self.make_request(p, **kw) for p, kw in zip(prompts, params_list)]
         handles = []
         for r in requests:
+            r.streaming = stream
             h = RequestHandle(self, r)
             r.sink = h._push
             handles.append(h)
@@ -850,7 +856,7 @@ class Scheduler:
         else:
             if r.stats.new_tokens >= r.max_new_tokens:
                 r.finish_reason = "length"
-        if not cut and (not text.stop or r.finish_reason):
+        if not cut and (not text.stop or r.finish_reason) and (r.streaming or r.finish_reason):
             delta += text.advance(row_tokens, n[s], final=r.finish_reason is not None)
         now = time.perf_counter()
         emitted = r.stats.new_tokens - before
@@ -890,6 +896,8 @@ class Scheduler:
                         d_keep = min(int(self.drafter.cached[s]), keep)
                         d_block = self.draft.save_prefix(s, d_keep) if d_keep else None
                     self.prefix_cache.add(self._tokens[s, :keep], t_block, d_block, pinned=r.prefix_only)
+            if not r.streaming and r.text is not None:  # e.g. cancelled between rounds: its text so far
+                r.text.advance(self._tokens[s], n, final=True)
             self._finish(r, self._tokens[s, plen:n].tolist())
             with self._cv:
                 self._remove_row(s)
