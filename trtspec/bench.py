@@ -8,6 +8,7 @@ Configurations (each over every prompt, batch 1, ``max_new_tokens`` each, repeat
   trtspec_k{k}     trtspec speculative with the draft model, fixed k
   trtspec_adaptive trtspec speculative with adaptive k (up to max k)
   trtspec_lookup   trtspec prompt lookup
+  trtspec_self_k4  trtspec speculative with the target's own INT4 build as the draft (`--draft self`)
 Reported: median tokens/s, speedups vs hf and vs trtspec measured in the same run, acceptance,
 tokens per target call, the theoretical speedup E / (k c + v) from measured alpha and call costs,
 and whether greedy outputs equal HF's and trtspec target-only's.
@@ -157,9 +158,11 @@ def run_bench(
     temperatures=(0.0, 0.8),
     threads: int = 2,
     include_hf: bool = True,
+    self_draft: bool = True,
     log=print,
 ) -> dict:
     from .engines import load_engine
+    from .errors import ArtifactError
 
     target_engine = load_engine(target, num_threads=threads)
     draft_engine = load_engine(draft, num_threads=threads)
@@ -180,6 +183,17 @@ def run_bench(
         Generator(target_engine, draft_engine, num_draft_tokens=max(ks), adaptive_k=True))))
     configs.append(("trtspec_lookup", 4, lambda: _trtspec_runner(
         Generator(target_engine, drafter="prompt_lookup", num_draft_tokens=4))))
+    if self_draft:  # the target's own INT4 build as its draft (`--draft self`), built once beside the target
+        from .runtime.self_draft import self_draft as build_self_draft
+
+        try:
+            self_engine = load_engine(build_self_draft(target), num_threads=threads)
+        except ArtifactError as e:
+            log(f"no self-draft row: {e}")
+        else:
+            k_self = 4 if 4 in ks else max(ks)
+            configs.append((f"trtspec_self_k{k_self}", k_self, lambda: _trtspec_runner(
+                Generator(target_engine, self_engine, num_draft_tokens=k_self))))
 
     results = {"settings": {"prompts": len(prompts), "max_new_tokens": max_new_tokens, "repeats": repeats,
                             "threads": threads, "ks": ks},

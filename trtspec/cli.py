@@ -205,6 +205,8 @@ def _add_bench(sub):
     p.add_argument("--temperatures", type=lambda t: [float(v) for v in t.split(",")], default=[0.0, 0.8])
     p.add_argument("--threads", type=_positive_int, default=2)
     p.add_argument("--no-hf", action="store_true", help="skip the HF baselines (they are the slow part)")
+    p.add_argument("--no-self-draft", action="store_true",
+                   help="skip the row drafting with the target's own INT4 build (built once beside the target)")
     p.add_argument("-o", "--output", default="benchmarks/results", help="where bench.json, bench.md, bench.png go")
 
     def run(args):
@@ -218,6 +220,7 @@ def _add_bench(sub):
         results = run_bench(args.target, args.draft, hf_target, hf_draft, prompts,
                             max_new_tokens=args.max_new_tokens, ks=range(1, args.max_k + 1), repeats=args.repeats,
                             temperatures=args.temperatures, threads=args.threads, include_hf=not args.no_hf,
+                            self_draft=not args.no_self_draft,
                             log=lambda m: print(m, file=sys.stderr, flush=True))
         write_outputs(results, Path(args.output))
         from .bench import markdown_table
