@@ -157,3 +157,16 @@ def test_cli_reports_errors(tmp_path, target, capsys):
     rc = cli_main(["distill", "--target", str(target), "--out", str(tmp_path / "d"), "--data", str(tmp_path / "nope")])
     assert rc == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_a_float16_target_trains_a_float32_draft_and_stores_it_as_float16(tmp_path, target, corpus):
+    from transformers import AutoModelForCausalLM
+
+    half = tmp_path / "half"
+    AutoModelForCausalLM.from_pretrained(target).to(torch.float16).save_pretrained(half)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(target / name, half / name)
+    report = distill(half, tmp_path / "d", [corpus], steps=6, batch=2, seq=32, eval_prompts=0, log_fn=lambda m: None)
+    assert np.isfinite(report["heldout_kl"]) and np.isfinite(report["heldout_perplexity"])  # fp16 master weights diverge
+    draft = AutoModelForCausalLM.from_pretrained(tmp_path / "d")
+    assert next(draft.parameters()).dtype == torch.float16

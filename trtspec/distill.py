@@ -309,7 +309,7 @@ def distill(target, out, data, *, heldout=None, pattern: str = "*.py", layers: i
     config = draft_config(target_config, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
                           intermediate=intermediate)
     torch.manual_seed(seed)
-    draft = AutoModelForCausalLM.from_config(config)
+    draft = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # float32 master weights, whatever the target is stored in
     draft.config.use_cache = True
     emb_init = init_embeddings(draft, teacher)
     n_params = sum(p.numel() for p in draft.parameters())

@@ -17,12 +17,15 @@ Each rule matches one pattern and replaces it by what onnxruntime runs best, wit
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import onnx_ir as ir
 
 from ..engines.onnxruntime import MATMUL_NBITS_ACCURACY_LEVEL
 
 MS = "com.microsoft"
+log = logging.getLogger("trtspec.build")
 
 
 def _perm(node: ir.Node):
@@ -202,17 +205,20 @@ def rotary_embedding(model: ir.Model) -> int:
     position_ids = _input(graph, "position_ids")
     if position_ids is None or not fuse_rotary_embedding(model):
         return 0
-    caches: dict[int, tuple[ir.Value, ir.Value]] = {}
-    fired = 0
+    caches: dict[int, tuple[ir.Value, ir.Value] | None] = {}
+    fired = kept = 0
     for node in [n for n in graph if n.op_type == "RotaryEmbedding" and n.domain == "ai.onnxruntime._fusion"]:
         x, cos, sin = node.inputs
         key = id(cos)
         if key not in caches:
             c, s = _rope_table(cos, position_ids), _rope_table(sin, position_ids)
-            if c is None or s is None:
-                raise ValueError(f"{node.name}: RoPE cos/sin are not a position-table lookup")
-            caches[key] = (_const(graph, "rope_cos_cache", np.ascontiguousarray(c)),
-                           _const(graph, "rope_sin_cache", np.ascontiguousarray(s)))
+            caches[key] = None if c is None or s is None else (
+                _const(graph, "rope_cos_cache", np.ascontiguousarray(c)),
+                _const(graph, "rope_sin_cache", np.ascontiguousarray(s)))
+        if caches[key] is None:  # cos/sin not a position-table lookup: the node stays a local function
+            log.info("%s: RoPE cos/sin are not a position-table lookup; left unfused", node.name)
+            kept += 1
+            continue
         cos_cache, sin_cache = caches[key]
         new = ir.node("RotaryEmbedding", [x, position_ids, cos_cache, sin_cache], domain=MS, name=f"{node.name}/ort",
                       attributes={"interleaved": 0})
@@ -220,9 +226,10 @@ def rotary_embedding(model: ir.Model) -> int:
         _take_over(node.outputs[0], new.outputs[0])
         graph.remove(node, safe=True)
         fired += 1
-    for key in [k for k in model.functions if k[0] == "ai.onnxruntime._fusion"]:
-        del model.functions[key]
-    model.opset_imports.pop("ai.onnxruntime._fusion", None)
+    if not kept:
+        for key in [k for k in model.functions if k[0] == "ai.onnxruntime._fusion"]:
+            del model.functions[key]
+        model.opset_imports.pop("ai.onnxruntime._fusion", None)
     return fired
 
 
