@@ -32,7 +32,10 @@ def profile(engine_dir: Path, tokens: int, position: int, batch: int, calls: int
     so.enable_profiling = True
     with tempfile.TemporaryDirectory() as tmp:
         so.profile_file_prefix = os.path.join(tmp, "profile")
-        sess = ort.InferenceSession(str(engine_dir / manifest["graph"]), so, providers=["CPUExecutionProvider"])
+        # the graph the engine runs for this call shape: a fused build's decode graph for one row or one token
+        decode = (manifest.get("build", {}).get("decode_graph") or {}).get("graph")
+        graph = decode if decode and (batch == 1 or tokens == 1) else manifest["graph"]
+        sess = ort.InferenceSession(str(engine_dir / graph), so, providers=["CPUExecutionProvider"])
         rng = np.random.default_rng(0)
         shape = (batch, model["num_kv_heads"], model["max_seq_len"], model["head_dim"])
         cache = {past: rng.standard_normal(shape).astype(np.float32) * 0.1 for past in model["kv_aliases"].values()}
@@ -59,7 +62,7 @@ def profile(engine_dir: Path, tokens: int, position: int, batch: int, calls: int
             op = e["args"].get("op_name", "?")
             by_op[op] += e["dur"]
             by_node[f"{e['name'][: -len('_kernel_time')]} ({op})"] += e["dur"]
-    return {"tokens": tokens, "median_ms": statistics.median(times[calls // 5 :]) * 1e3,
+    return {"tokens": tokens, "graph": graph, "median_ms": statistics.median(times[calls // 5 :]) * 1e3,
             "op_ms": {k: v / calls / 1e3 for k, v in by_op.most_common()},
             "node_ms": {k: v / calls / 1e3 for k, v in by_node.most_common(15)}}
 
@@ -77,7 +80,7 @@ def main():
     results = [profile(args.engine, t, args.position, args.batch, args.calls, args.threads) for t in args.tokens]
     ops = sorted({op for r in results for op in r["op_ms"]}, key=lambda op: -max(r["op_ms"].get(op, 0) for r in results))
     print(f"{args.engine}: position {args.position}, batch {args.batch}, {args.calls} calls each")
-    print("| op | " + " | ".join(f"T={r['tokens']} ms" for r in results) + " |")
+    print("| op | " + " | ".join(f"T={r['tokens']} ms ({r['graph']})" for r in results) + " |")
     print("|---|" + "---|" * len(results))
     print("| call (median, wall) | " + " | ".join(f"{r['median_ms']:.3f}" for r in results) + " |")
     print("| sum of node times | " + " | ".join(f"{sum(r['op_ms'].values()):.3f}" for r in results) + " |")
