@@ -207,12 +207,20 @@ def measure_acceptance(target_dir: Path, draft_dir: Path, prompts: list[str], *,
     from .exporter import export
     from .runtime import Generator
 
+    quiet = [logging.getLogger(n) for n in ("trtspec.export", "trtspec.build")]
+    levels = [q.level for q in quiet]
     with tempfile.TemporaryDirectory(prefix="trtspec-distill-") as tmp:
         tmp = Path(tmp)
         engines = {}
-        for name, src in (("target", target_dir), ("draft", draft_dir)):
-            exported = export(src, tmp / f"{name}-export", max_seq_len=512, max_batch=4)
-            engines[name] = build(exported, tmp / f"{name}-engine", backend="onnxruntime")
+        try:  # temporary engines: their export/build progress is not the user's business
+            for q in quiet:
+                q.setLevel(logging.WARNING)
+            for name, src in (("target", target_dir), ("draft", draft_dir)):
+                exported = export(src, tmp / f"{name}-export", max_seq_len=512, max_batch=4)
+                engines[name] = build(exported, tmp / f"{name}-engine", backend="onnxruntime")
+        finally:
+            for q, level in zip(quiet, levels):
+                q.setLevel(level)
         gen = Generator(engines["target"], engines["draft"], num_draft_tokens=k, num_threads=threads)
         try:
             out = gen.generate(prompts, max_new_tokens=max_new_tokens, temperature=0.0)
