@@ -1,5 +1,6 @@
-"""Build for onnxruntime: the step graph after our lowering (ort_lowering.py) and onnxruntime's offline
-optimisations, saved once, every weight stored once.
+"""Build for onnxruntime: the step graph after our lowering (ort_lowering.py: fused kernels, unless
+``fusion=False``) and onnxruntime's offline optimisations, saved once, every weight stored once; with fusion,
+also the decode graph (ort_decode.py, GroupQueryAttention) over the same weights file.
 
 For a quantized export this is also where the backend-specific lowering
 happens: onnxruntime's own QDQ fusions turn the portable weight pattern
