@@ -19,13 +19,10 @@ reference the same external weights file, so the weights are stored once.
 
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 import onnx_ir as ir
 
-log = logging.getLogger("trtspec.build")
-MS = "com.microsoft"
+from .ort_lowering import MS, _const, _op
 
 
 class NotApplicable(Exception):
@@ -58,19 +55,6 @@ def _cache_write(value: ir.Value) -> ir.Node:
     if node is not None and node.op_type == "Slice":
         value = node.inputs[0]
     return _producer(value, "TensorScatter")
-
-
-def _const(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
-    value = ir.Value(name=name, const_value=ir.Tensor(array, name=name))
-    value.shape, value.type = ir.Shape(array.shape), ir.TensorType(value.const_value.dtype)
-    graph.register_initializer(value)
-    return value
-
-
-def _op(graph: ir.Graph, anchor: ir.Node, op: str, inputs, name: str, **attributes) -> ir.Value:
-    node = ir.node(op, inputs, attributes=attributes, name=name)
-    graph.insert_before(anchor, node)
-    return node.outputs[0]
 
 
 def rewrite(model: ir.Model, *, num_heads: int, num_kv_heads: int) -> int:

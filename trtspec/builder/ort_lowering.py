@@ -296,6 +296,8 @@ def _pack_matmuls(graph: ir.Graph, names: tuple[str, ...]) -> int:
         order = sorted(range(len(group)), key=lambda i: names.index(next(s for s in names if group[i].name.endswith(s))))
         group, weights = [group[i] for i in order], [weights[i] for i in order]
         kind, base = weights[0][0], group[0].name
+        nodes = list(graph)
+        anchor = min(group, key=nodes.index)  # the new nodes go before the first of the group
         if kind == "float":
             values = [w.const_value.numpy() for _, w in weights]
             if len({v.shape[0] for v in values}) != 1:
@@ -313,13 +315,11 @@ def _pack_matmuls(graph: ir.Graph, names: tuple[str, ...]) -> int:
             parts = [_const(graph, f"{base}/packed.{role}", np.concatenate([dq.inputs[i].const_value.numpy() for dq in dqs], 1))
                      for i, role in enumerate(("weight_quantized", "weight_scale", "weight_zero_point")[: len(
                          [i for i in dqs[0].inputs if i is not None])])]
-            anchor = min(group, key=lambda n: list(graph).index(n))
             dq_new = ir.node("DequantizeLinear", parts, attributes={"axis": 0, "block_size": dqs[0].attributes.get_int(
                 "block_size", 0)}, name=f"{base}/packed_dq")
             graph.insert_before(anchor, dq_new)
             w = dq_new.outputs[0]
             dropped = [i for dq in dqs for i in dq.inputs if i is not None]
-        anchor = min(group, key=lambda n: list(graph).index(n))
         y = _op(graph, anchor, "MatMul", [x, w], f"{base}/packed")
         split = ir.node("Split", [y, _int64(graph, f"{base}/packed.sizes", sizes)],
                         attributes={"axis": -1}, num_outputs=len(group), name=f"{base}/split")

@@ -37,11 +37,10 @@ def session_options(num_threads: int | None, *, fuse_qdq: bool = True):
         if num_threads < 1:
             raise ValueError(f"num_threads must be at least 1 (got {num_threads})")
         so.intra_op_num_threads = num_threads
-    # Worker threads spin between the nodes of a run (waking a sleeping thread for each of ~80 nodes cost
-    # more than the nodes: a decode call of the bundled target took 5.0 ms without spinning, 3.8-4.0 ms with
-    # it; its INT4 build 2.0 vs 0.6-1.2 ms) but stop when a run ends: a target and a draft session alternate,
-    # and one session's spinning threads would take the cores from the other (speculation at k = 4 ran at
-    # 150 tok/s with plain spinning, 205 without, 241-245 with spinning stopped after each run).
+    # Worker threads spin between the nodes of a run and stop when it ends (benchmarks/bench_spinning.py on the
+    # bundled pair: target decode call 3.48 ms vs 4.27 without spinning, INT4 0.71 vs 1.62 ms; speculation at
+    # k = 4 446 vs 483 tok/s, while plain spinning, never stopped, fell to 205: a target and a draft session
+    # alternate, and one session's spinning threads take the cores from the other).
     so.add_session_config_entry("session.intra_op.allow_spinning", "1")
     so.add_session_config_entry("session.force_spinning_stop", "1")
     if fuse_qdq:
@@ -113,10 +112,6 @@ class OnnxRuntimeEngine:
     def session(self):
         """The session that runs a one-token call (the decode graph where the engine has one)."""
         return (self._decode or self._full).session
-
-    @property
-    def _binding(self):
-        return (self._decode or self._full).binding
 
     def _graph_for(self, b: int, t: int) -> _Graph:
         if self._decode is not None and (b == 1 or t == 1):
