@@ -22,15 +22,17 @@ outside engine calls (the host loop), at batch 1.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import os
+import shutil
 import statistics
 import time
 
 import numpy as np
 from bench_int4 import og_build, og_runner, stored_mb, timed_rounds, trtspec_runner
-from common import RESULTS, ROOT, WORK, memory_bandwidth_gbs, random_llama, save_results
+from common import RESULTS, ROOT, WORK, made_from, memory_bandwidth_gbs, random_llama, save_results
 
 POSITION, VERIFY_TOKENS = 128, 5
 
@@ -87,11 +89,11 @@ def main(argv=None):
     log(f"read bandwidth, {args.threads}-thread torch.sum over 256 MB: {probe():.1f} GB/s")
 
     def exported(hf_dir, name, capacity, quant=None):
-        exp = work / "export" / f"{name}-{capacity}"
+        exp = made_from(work / "export" / f"{name}-{capacity}", hf_dir)
         if not (exp / "manifest.json").is_file():
             export(hf_dir, exp, max_seq_len=capacity, max_batch=1)
         if quant:
-            q = work / "export" / f"{name}-{capacity}-int4"
+            q = made_from(work / "export" / f"{name}-{capacity}-int4", hf_dir)
             if not (q / "manifest.json").is_file():
                 quantize(exp, q, **quant)
             exp = q
@@ -99,6 +101,10 @@ def main(argv=None):
 
     def engine(exp, tag, **options):
         out = work / "engines" / f"{exp.name}-{tag}"
+        digest = hashlib.sha256((exp / "manifest.json").read_bytes()).hexdigest()
+        if (out / "manifest.json").is_file() and (
+                json.loads((out / "manifest.json").read_text())["source"].get("export_manifest_sha256") != digest):
+            shutil.rmtree(out)  # built from an earlier export
         if not (out / "manifest.json").is_file():
             build(exp, out, **options)
         return out

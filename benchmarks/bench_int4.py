@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from common import RESULTS, ROOT, WORK, random_llama, save_results
+from common import RESULTS, ROOT, WORK, made_from, random_llama, save_results
 
 
 def stored_mb(path: Path) -> float:
@@ -40,6 +40,7 @@ def og_build(hf_dir: Path, out: Path, precision: str, threads: int) -> Path | No
         import onnxruntime_genai  # noqa: F401
     except ImportError:
         return None
+    made_from(out, hf_dir)
     if not (out / "genai_config.json").is_file():
         subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_dir), "-o", str(out),
                         "-p", precision, "-e", "cpu", "-c", str(out / "cache")], check=True)
@@ -116,10 +117,10 @@ def main(argv=None):
         res = {**json.loads(out_json.read_text()), "settings": vars(args)}
 
     def engines_of(hf_dir, name, *, quantize_options):
-        exp = work / "export" / name
+        exp = made_from(work / "export" / name, hf_dir)
         if not (exp / "manifest.json").is_file():
             export(hf_dir, exp, max_seq_len=512, max_batch=1)
-        q = work / "export" / f"{name}-int4"
+        q = made_from(work / "export" / f"{name}-int4", hf_dir)
         if not (q / "manifest.json").is_file():
             quantize(exp, q, **quantize_options)
         return build(exp, work / "engines" / name), build(q, work / "engines" / f"{name}-int4")
@@ -163,7 +164,7 @@ def main(argv=None):
         configs = {}
         for tname, target in (("float32", t_fp), ("int4", t_q4)):
             configs[f"{tname} target"] = Generator(load[target])
-            for k in (2, 4):
+            for k in (2, 3, 4):
                 configs[f"{tname} target + float32 draft k{k}"] = Generator(load[target], load[d_fp], num_draft_tokens=k)
                 configs[f"{tname} target + int4 draft k{k}"] = Generator(load[target], load[d_q4], num_draft_tokens=k)
                 if tname == "float32":

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -65,3 +67,26 @@ def save_results(out: Path, res: dict, table: str):
     out.with_suffix(".json").write_text(json.dumps(res, indent=1))
     out.with_suffix(".md").write_text(table)
     print(table)
+
+
+def weights_digest(hf_dir: Path) -> str:
+    """sha256 of an HF directory's weight files: what decides whether artifacts made from it are still its."""
+    h = hashlib.sha256()
+    for f in sorted(Path(hf_dir).glob("*.safetensors")) + sorted(Path(hf_dir).glob("*.bin")):
+        h.update(f.name.encode())
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 22), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+def made_from(artifact: Path, hf_dir: Path) -> Path:
+    """``artifact``, a cached work directory made from ``hf_dir``: removed (to be made again) when it was made
+    from other weights. The bundled models get retrained, and their config alone does not say so."""
+    stamp = artifact.with_name(artifact.name + ".weights-sha256")
+    digest = weights_digest(hf_dir)
+    if artifact.exists() and (not stamp.is_file() or stamp.read_text() != digest):
+        shutil.rmtree(artifact)
+    stamp.parent.mkdir(parents=True, exist_ok=True)
+    stamp.write_text(digest)
+    return artifact

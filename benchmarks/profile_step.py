@@ -56,13 +56,17 @@ def profile(engine_dir: Path, tokens: int, position: int, batch: int, calls: int
             sess.run_with_iobinding(binding)
             times.append(time.perf_counter() - t)
         events = json.loads(Path(sess.end_profiling()).read_text())
+        if os.environ.get("KEEP_PROFILE"):
+            Path(os.environ["KEEP_PROFILE"]).write_text(json.dumps(events))
     by_op, by_node = collections.Counter(), collections.Counter()
+    runs = list(e["dur"] for e in events if e.get("cat") == "Session" and e["name"] == "model_run")
     for e in events:
         if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"):
             op = e["args"].get("op_name", "?")
             by_op[op] += e["dur"]
             by_node[f"{e['name'][: -len('_kernel_time')]} ({op})"] += e["dur"]
     return {"tokens": tokens, "graph": graph, "median_ms": statistics.median(times[calls // 5 :]) * 1e3,
+            "run_ms": statistics.median(runs[calls // 5 :]) / 1e3,
             "op_ms": {k: v / calls / 1e3 for k, v in by_op.most_common()},
             "node_ms": {k: v / calls / 1e3 for k, v in by_node.most_common(15)}}
 
@@ -83,6 +87,7 @@ def main():
     print("| op | " + " | ".join(f"T={r['tokens']} ms ({r['graph']})" for r in results) + " |")
     print("|---|" + "---|" * len(results))
     print("| call (median, wall) | " + " | ".join(f"{r['median_ms']:.3f}" for r in results) + " |")
+    print("| call inside onnxruntime (median) | " + " | ".join(f"{r['run_ms']:.3f}" for r in results) + " |")
     print("| sum of node times | " + " | ".join(f"{sum(r['op_ms'].values()):.3f}" for r in results) + " |")
     for op in ops:
         print(f"| {op} | " + " | ".join(f"{r['op_ms'].get(op, 0):.3f}" for r in results) + " |")

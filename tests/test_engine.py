@@ -47,8 +47,9 @@ def test_cache_is_written_in_place_at_exactly_the_written_slots(engine_dir):
     # onnxruntime returned the present_* outputs in our buffers: no copy of the cache was made, by the graph
     # of several-token calls and (after a one-token call) by the decode graph
     engine.forward(random_ids(2, seed=3).reshape(2, 1), np.array([[8], [12]]))
-    for g in (engine._graph_for(2, 3), engine._graph_for(2, 1)):
-        outputs = g.binding.get_outputs()
+    for (b, t) in ((2, 3), (2, 1)):
+        g = engine._graph_for(b, t)
+        outputs = g.small[(b, t)].io.get_outputs()
         assert len(outputs) == len(g.session.get_outputs())
         assert set(addresses) <= {o.data_ptr() for o in outputs}
     assert engine._graph_for(2, 3) is not engine._graph_for(2, 1)  # the fused build has both
@@ -185,3 +186,62 @@ def test_fused_engine_runs_single_row_and_single_token_calls_on_its_decode_graph
     out = engine.forward(np.stack([b[7:10], b[7:10]]), np.stack([np.arange(7, 10), np.arange(7, 10)]))
     np.testing.assert_allclose(out[1], ref_b[7:10], atol=TOL, rtol=0)
     assert engine._full is not None
+
+
+def test_greedy_steps_equal_a_loop_of_forward_calls_and_stop_when_told(built, model_dir, hf_model):
+    from trtspec.engines.base import greedy_steps
+
+    class Plain:  # the generic loop over forward (a wrapper without the engine's own greedy_steps)
+        def __init__(self, engine):
+            self.engine = engine
+
+        def forward(self, ids, pos, first_row=0):
+            return self.engine.forward(ids, pos, first_row=first_row)
+
+    fast, slow = load_engine(built("llama-gqa-rope3")), load_engine(built("llama-gqa-rope3"))
+    prompt = random_ids(9, seed=31)
+    for e in (fast, slow):
+        e.forward(prompt[None, :8], np.arange(8)[None], first_row=2)
+    got = {}
+    for name, e in (("fast", fast), ("slow", Plain(slow))):
+        tokens = []
+        calls, seconds = greedy_steps(e, 2, int(prompt[8]), 8, 12, lambda t: tokens.append(t) or True)
+        assert calls == 12 and seconds > 0
+        got[name] = tokens
+    assert got["fast"] == got["slow"]
+    for a, b in zip(fast.cache.values(), slow.cache.values()):
+        np.testing.assert_allclose(a, b, atol=TOL, rtol=0)
+    # HF's own greedy continuation of the same 9 tokens
+    import torch
+
+    model = hf_model(model_dir("llama-gqa-rope3"))
+    want = model.generate(torch.tensor(prompt[None]), max_new_tokens=12, do_sample=False)[0, 9:].tolist()
+    assert got["fast"] == want
+    # on_token returning False ends the run after that token
+    seen = []
+    calls, _ = greedy_steps(fast, 0, 5, 0, 10, lambda t: seen.append(t) or len(seen) < 3)
+    assert calls == 3 and len(seen) == 3
+    # a run that would pass the capacity is refused before any call
+    snapshot = [b.copy() for b in fast.cache.values()]
+    with pytest.raises(CapacityError, match=f"holds {S_MAX} positions"):
+        greedy_steps(fast, 1, 5, S_MAX - 4, 5, lambda t: True)
+    for buf, old in zip(fast.cache.values(), snapshot):
+        np.testing.assert_array_equal(buf, old)
+
+
+def test_calls_of_many_shapes_keep_bindings_of_their_own_and_stay_exact(built, model_dir, hf_model):
+    # each small call shape keeps its own binding (8 at most, least recently used dropped): ten shapes in turn,
+    # then the first again after its binding was dropped, every call against HF's logits
+    engine = load_engine(built("llama-gqa-rope3"))
+    ids = random_ids(60, seed=41)
+    ref = hf_logits(hf_model(model_dir("llama-gqa-rope3")), ids)
+    start, outputs = 0, []
+    for t in [*range(1, 11), 1, 3]:
+        out = engine.forward(ids[None, start : start + t], np.arange(start, start + t)[None])
+        np.testing.assert_allclose(out[0], ref[start : start + t], atol=TOL, rtol=0)
+        outputs.append((out, start, t))
+        start += t
+    assert len(engine._decode.small) == engine._decode.SMALL_BINDINGS
+    # a result stays valid until the next call of its own shape
+    out, s, t = outputs[-2]  # the last 1-token call; calls of 3 tokens came after it
+    np.testing.assert_allclose(out[0], ref[s : s + t], atol=TOL, rtol=0)

@@ -114,6 +114,44 @@ def test_a_request_submitted_mid_generation_starts_before_the_others_finish(targ
     assert rest.token_ids == alone(make_prompt(1, 5), max_new_tokens=200).token_ids
 
 
+def test_a_lone_greedy_row_decodes_in_the_engines_loop_and_yields_to_arrivals_and_cancel(target, alone):
+    # no drafter and one greedy row: the scheduler hands the engine a run of one-token calls (greedy_steps)
+    scheduler = Scheduler(target)
+    solo = scheduler.submit(make_prompt(6, 5), max_new_tokens=60).result(timeout=60)
+    assert solo.stats.target_calls == len(solo.token_ids) == 60  # one prefill call, then one call per token
+    assert scheduler.stats().k_histogram == {0: 59}
+    long_handle = scheduler.submit(make_prompt(1, 5), max_new_tokens=200)
+    next(iter(long_handle))
+    short = scheduler.submit(make_prompt(2, 7), max_new_tokens=10)
+    result = short.result(timeout=60)
+    assert not long_handle.done  # the run stopped for the newcomer, which finished beside it
+    assert result.token_ids == alone(make_prompt(2, 7), max_new_tokens=10).token_ids
+    assert long_handle.result(timeout=120).token_ids == alone(make_prompt(1, 5), max_new_tokens=200).token_ids
+    assert max(b for _, _, b in scheduler.round_log) == 2
+    # a cancel ends the run within a call (the engine slowed down so the request cannot finish first)
+    slow = Scheduler(WrappedEngine(target, lambda ids, pos, row: time.sleep(0.002)))
+    handle = slow.submit(make_prompt(4, 10), max_new_tokens=200)
+    next(iter(handle))
+    handle.cancel()
+    cancelled = handle.result(timeout=60)
+    assert cancelled.finish_reason == "cancelled" and 0 < len(cancelled.token_ids) < 200
+    assert cancelled.token_ids == alone(make_prompt(4, 10), max_new_tokens=200).token_ids[: len(cancelled.token_ids)]
+
+
+def test_a_lone_greedy_draft_chain_in_the_engines_loop_proposes_what_the_generic_loop_does(target, draft, alone):
+    # one greedy row: the draft's k - 1 one-token calls run as greedy_steps; behind a wrapper they run as
+    # forward calls, round by round. Same drafts, so the same acceptance, call counts and output.
+    calls = []
+    wrapped = WrappedEngine(draft, lambda ids, pos, row: calls.append(ids.shape))
+    prompt = make_prompt(8, 6)
+    fast = Generator(target, draft, num_draft_tokens=4).generate([prompt], max_new_tokens=80)
+    slow = Generator(target, wrapped, num_draft_tokens=4).generate([prompt], max_new_tokens=80)
+    assert fast[0].token_ids == slow[0].token_ids == alone(prompt, max_new_tokens=80).token_ids
+    for name in ("proposed", "accepted", "rounds", "target_calls", "accepted_histogram", "draft_calls"):
+        assert getattr(fast.stats, name) == getattr(slow.stats, name), name
+    assert slow.stats.draft_calls == len(calls) and 0 < fast.stats.accepted < fast.stats.proposed
+
+
 def test_cancelling_a_request_frees_its_row_for_the_next(target, draft, alone):
     scheduler = Scheduler(target, draft, max_batch=1)
     first = scheduler.submit(make_prompt(4, 10), max_new_tokens=200)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from typing import Protocol
 
@@ -109,3 +110,25 @@ def check_step_inputs(input_ids, position_ids, *, max_batch: int, max_seq_len: i
             f"re-export with --max-seq-len {max(end, 2 * max_seq_len)}"
         )
     return input_ids, position_ids
+
+
+def greedy_steps(engine, row: int, token: int, position: int, steps: int, on_token) -> tuple[int, float]:
+    """Greedy decoding of one cache row, one token per call, for up to ``steps`` calls.
+
+    Call i feeds ``token`` at ``position + i`` and takes the argmax of its logits as the next token, handing it
+    to ``on_token(token)``; decoding stops early when that returns False. Returns (calls made, seconds spent
+    inside the engine's calls). Engines with a faster loop of their own provide ``greedy_steps`` (onnxruntime:
+    buffers bound once, no per-call checks); this generic loop over ``forward`` gives the same tokens.
+    """
+    # the class's own method only: a wrapper that forwards attributes but overrides forward sees every call
+    if getattr(type(engine), "greedy_steps", None) is not None:
+        return engine.greedy_steps(row, token, position, steps, on_token)
+    seconds = 0.0
+    for i in range(steps):
+        t0 = time.perf_counter()
+        logits = engine.forward(np.array([[token]]), np.array([[position + i]]), first_row=row)
+        seconds += time.perf_counter() - t0
+        token = int(logits[0, 0].argmax())
+        if not on_token(token):
+            return i + 1, seconds
+    return steps, seconds

@@ -9,6 +9,8 @@ with B < max_batch rows binds the first B rows, which are contiguous.
 
 from __future__ import annotations
 
+import time
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -67,16 +69,35 @@ def fuses_qdq(manifest: dict) -> bool:
     return manifest.get("build", {}).get("fuse_qdq", True)
 
 
+class _Binding:
+    """An IOBinding of one session with the buffers bound to it: inputs and logits for one call shape (B, T),
+    and the cache rows it reads and writes."""
+
+    def __init__(self, session):
+        self.io = session.io_binding()
+        self.rows = None  # (first_row, B) of the bound cache rows
+        self.shape = None  # (B, T) of the bound inputs and logits
+        self.ids = self.pos = self.logits = None
+
+
 class _Graph:
-    """One onnxruntime session over the engine's cache buffers, with its IOBinding and what is bound to it."""
+    """One onnxruntime session over the engine's cache buffers.
+
+    Binding costs more than a decode call's own Python: a call of the shape of the last one only copies its ids
+    in. Speculation alternates shapes every round (a draft's catch-up call and its one-token calls, the target's
+    k + 1-token verify), so each recent small shape keeps a binding of its own (least recently used dropped past
+    SMALL_BINDINGS); larger calls share one binding, rebound when their shape changes.
+    """
+
+    SMALL_BINDINGS = 8
+    SMALL_LOGITS_BYTES = 4 << 20  # a call whose logits fit in this keeps its binding (and its logits buffer)
 
     def __init__(self, path: Path, options):
         import onnxruntime as ort
 
         self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-        self.binding = self.session.io_binding()
-        self.rows = None  # (first_row, B) of the bound cache rows
-        self.shape = None  # (B, T) of the bound inputs and logits
+        self.small: OrderedDict[tuple[int, int], _Binding] = OrderedDict()
+        self.other = _Binding(self.session)
 
 
 class OnnxRuntimeEngine:
@@ -120,20 +141,37 @@ class OnnxRuntimeEngine:
             self._full = _Graph(self.path / self.manifest["graph"], self._options)
         return self._full
 
-    def _bind_cache(self, g: _Graph, rows: tuple[int, int]):
+    def _binding(self, g: _Graph, b: int, t: int) -> _Binding:
+        """The binding for a call of B rows x T tokens, its inputs and logits bound."""
+        if b * t * self.vocab_size * self._logits.itemsize > g.SMALL_LOGITS_BYTES:
+            bd = g.other
+            if (b, t) != bd.shape or bd.logits.base is not self._logits:
+                self._bind_io(bd, b, t, shared=True)
+            return bd
+        bd = g.small.get((b, t))
+        if bd is None:
+            bd = g.small[(b, t)] = _Binding(g.session)
+            self._bind_io(bd, b, t, shared=False)
+            if len(g.small) > g.SMALL_BINDINGS:
+                g.small.popitem(last=False)
+        else:
+            g.small.move_to_end((b, t))
+        return bd
+
+    def _bind_cache(self, bd: _Binding, rows: tuple[int, int]):
         # Rebinding is needed only when the rows change: rows [first, first + b) are contiguous in each buffer.
         first, b = rows
         shape = [b, *next(iter(self.cache.values())).shape[1:]]
         for present, past in self._aliases:
             buf = self.cache[past]
             ptr = buf.ctypes.data + first * buf.strides[0]
-            g.binding.bind_input(past, "cpu", 0, self.dtype, shape, ptr)
-            g.binding.bind_output(present, "cpu", 0, self.dtype, shape, ptr)
-        g.rows = rows
+            bd.io.bind_input(past, "cpu", 0, self.dtype, shape, ptr)
+            bd.io.bind_output(present, "cpu", 0, self.dtype, shape, ptr)
+        bd.rows = rows
 
     def forward(self, input_ids, position_ids, first_row: int = 0):
         # input_ids [B, T] int64, position_ids [B, T] int64 -> logits [B, T, V]; cache rows [first_row, first_row + B)
-        # The returned array is a view of a reused buffer: valid until the next call.
+        # The returned array is a reused buffer: valid until the next call of the same shape.
         input_ids, position_ids = check_step_inputs(
             input_ids, position_ids, max_batch=self.max_batch, max_seq_len=self.max_seq_len, vocab_size=self.vocab_size,
             first_row=first_row,
@@ -141,28 +179,58 @@ class OnnxRuntimeEngine:
         b, t = input_ids.shape
         with self._guard:
             g = self._graph_for(b, t)
-            if (first_row, b) != g.rows:
-                self._bind_cache(g, (first_row, b))
-            if (b, t) != g.shape or g.logits.base is not self._logits:
-                self._bind_io(g, b, t)
-            np.copyto(g.ids, input_ids)
-            np.copyto(g.pos, position_ids)
-            g.session.run_with_iobinding(g.binding)
-        return g.logits
+            bd = self._binding(g, b, t)
+            if (first_row, b) != bd.rows:
+                self._bind_cache(bd, (first_row, b))
+            np.copyto(bd.ids, input_ids)
+            np.copyto(bd.pos, position_ids)
+            g.session.run_with_iobinding(bd.io)
+        return bd.logits
 
-    def _bind_io(self, g: _Graph, b: int, t: int):
-        # input_ids/position_ids/logits live in buffers of ours, bound once per call shape: a call of the same
-        # shape as the last only copies its ids in (binding costs more than the copy, every decode step)
+    def greedy_steps(self, row: int, token: int, position: int, steps: int, on_token) -> tuple[int, float]:
+        """engines.base.greedy_steps for this engine: one row, one token per call, in a loop that only writes
+        the token and its position into the bound inputs, runs, and takes the argmax (checked once, up front)."""
+        if steps < 1:
+            return 0, 0.0
+        check_step_inputs(np.array([[token]]), np.array([[position + steps - 1]]), max_batch=self.max_batch,
+                          max_seq_len=self.max_seq_len, vocab_size=self.vocab_size, first_row=row)
+        if position < 0:
+            raise ValueError("position_ids must be non-negative")
+        seconds = 0.0
+        clock = time.perf_counter
+        with self._guard:
+            g = self._graph_for(1, 1)
+            bd = self._binding(g, 1, 1)
+            if (row, 1) != bd.rows:
+                self._bind_cache(bd, (row, 1))
+            ids, pos, logits, run, binding = bd.ids, bd.pos, bd.logits[0, 0], g.session.run_with_iobinding, bd.io
+            for i in range(steps):
+                ids[0, 0] = token
+                pos[0, 0] = position + i
+                t0 = clock()
+                run(binding)
+                seconds += clock() - t0
+                token = int(logits.argmax())
+                if not on_token(token):
+                    return i + 1, seconds
+        return steps, seconds
+
+    def _bind_io(self, bd: _Binding, b: int, t: int, shared: bool):
+        # input_ids/position_ids/logits live in buffers of ours; a shared binding's logits are a view of the
+        # engine's one large buffer (grown to the largest call seen), a small shape's are its own
         n = b * t * self.vocab_size
-        if self._logits.size < n:
-            self._logits = np.empty(n, dtype=self._logits_dtype)
-        g.logits = self._logits[:n].reshape(b, t, self.vocab_size)
-        g.ids = np.empty((b, t), np.int64)
-        g.pos = np.empty((b, t), np.int64)
-        g.binding.bind_input("input_ids", "cpu", 0, np.int64, [b, t], g.ids.ctypes.data)
-        g.binding.bind_input("position_ids", "cpu", 0, np.int64, [b, t], g.pos.ctypes.data)
-        g.binding.bind_output("logits", "cpu", 0, self._logits_dtype, [b, t, self.vocab_size], g.logits.ctypes.data)
-        g.shape = (b, t)
+        if shared:
+            if self._logits.size < n:
+                self._logits = np.empty(n, dtype=self._logits_dtype)
+            bd.logits = self._logits[:n].reshape(b, t, self.vocab_size)
+        else:
+            bd.logits = np.empty((b, t, self.vocab_size), dtype=self._logits_dtype)
+        bd.ids = np.empty((b, t), np.int64)
+        bd.pos = np.empty((b, t), np.int64)
+        bd.io.bind_input("input_ids", "cpu", 0, np.int64, [b, t], bd.ids.ctypes.data)
+        bd.io.bind_input("position_ids", "cpu", 0, np.int64, [b, t], bd.pos.ctypes.data)
+        bd.io.bind_output("logits", "cpu", 0, self._logits_dtype, [b, t, self.vocab_size], bd.logits.ctypes.data)
+        bd.shape = (b, t)
 
     def move_row(self, src: int, dst: int, n: int | None = None):
         with self._guard:

@@ -15,6 +15,8 @@ import time
 
 import numpy as np
 
+from ..engines.base import greedy_steps
+
 
 class NoDrafter:
     name = "none"
@@ -83,6 +85,15 @@ class DraftModelDrafter:
         if any(samplers[r].mode == "rejection" for r in range(b) if counts[r]):
             probs = np.zeros((b, k, logits.shape[-1]))
         last = logits[np.arange(b), np.maximum(fed - 1, 0)]  # [B, V]
+        if b == 1 and k > 1 and samplers[0].mode == "greedy":  # one greedy chain: the engine's own loop
+            drafts[0, 0] = samplers[0].choose(last[0], int(n[0]))
+            chain = []
+            calls, seconds = greedy_steps(self.engine, 0, int(drafts[0, 0]), int(n[0]), k - 1,
+                                          lambda t: chain.append(t) or True)
+            drafts[0, 1:] = chain
+            self.calls.extend([(1, 1, seconds / calls)] * calls)
+            cached[0] = n[0] + k - 1
+            return drafts, counts, probs
         # a row not extending its drafts writes a pad at its first free slot (harmless, overwritten later)
         free = np.where(counts > 0, n + counts - 1, cached)
         for j in range(k):

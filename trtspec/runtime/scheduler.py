@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from ..engines import load_engine
-from ..engines.base import SavedPrefix, lease
+from ..engines.base import SavedPrefix, greedy_steps, lease
 from ..errors import CapacityError
 from .adaptive import LoadAwareK
 from .drafters import DraftModelDrafter, NoDrafter, PromptLookupDrafter
@@ -713,6 +713,9 @@ class Scheduler:
         # every row writes [n - 1, n - 1 + T): no row may pass the cache's capacity
         t_cap = int((self.capacity - (n - 1)).min())
         caps = np.array([max(0, min(r.k, t_cap - 1, r.max_new_tokens - r.stats.new_tokens - 1)) for r in rows], np.int64)
+        if (b == 1 and len(self._rows) == 1 and self.drafter_name == "none" and rows[0].sampler.mode == "greedy"
+                and not caps.any()):
+            return self._decode_alone(rows[0], t_cap)
         if self.policy is not None and caps.any():
             k = self.policy.choose(b, caps)
             caps = np.minimum(caps, k)
@@ -774,6 +777,32 @@ class Scheduler:
                 # a long catch-up pays for earlier rounds that did not draft: charge this round a usual one
                 seconds += self.policy.draft.estimate(b, 2) - self.drafter.calls[0][2]
             self.policy.record_round(b, k, stats.generated_tokens - emitted, seconds)
+
+    def _decode_alone(self, r, t_cap):
+        """One row decoding greedily, no drafter, nobody else running: a run of one-token target calls in the
+        engine's own loop (engines.base.greedy_steps) instead of a round of this loop per token, until the row
+        finishes, is cancelled, or a request arrives. Each call counts as a round; tokens, text, streaming and
+        stop rules are those of round-by-round decoding (every token goes through _emit as it comes)."""
+        stats, n0 = self._stats, int(self._n[0])
+
+        def on_token(token):
+            self._emit(0, r, [token])
+            return r.finish_reason is None and not r.cancelled and not self._waiting
+
+        t0 = time.perf_counter()
+        steps = max(1, min(t_cap, r.max_new_tokens - r.stats.new_tokens))
+        calls, seconds = greedy_steps(self.target, 0, int(self._tokens[0, n0 - 1]), n0 - 1, steps, on_token)
+        self.round_log.extend((stats.rounds + i, 0, 1) for i in range(calls))
+        stats.k_histogram[0] = stats.k_histogram.get(0, 0) + calls
+        stats.rounds += calls
+        stats.target_calls += calls
+        stats.verify_s += seconds
+        r.stats.target_calls += calls
+        r.stats.rounds += calls
+        self._tc[0] = min(n0 - 1 + calls, int(self._n[0]))  # the cache holds every token fed
+        if self.policy is not None:
+            self.policy.target.record(1, 1, seconds / calls)
+            self.policy.record_round(1, 0, 1, (time.perf_counter() - t0) / calls)
 
     def _prefill_round(self):
         """Rows [D, B) read their prompts: up to prefill_chunk tokens this round, first come first served.
