@@ -18,6 +18,11 @@ what a model writes; trtspec's greedy output is identical to it), then
   far and only needs more lines ("incomplete input"), and fails every other syntax error.
   Both checks on the file's true continuation (as many lines as the model wrote) are the reference.
 
+The held-out prompts are whole lines. Each is given without its final newline: the byte-level BPE tokenizer
+writes a newline and the next line's indentation as one token, so a prompt ending in a bare newline token
+tells the model the next line starts at column 0 (where, mid-function, it then writes top-level comments).
+The model writes the newline itself, as it did in training; `--keep-final-newline` measures the other way.
+
 Writes benchmarks/results/pair_quality.{json,md}.
 """
 
@@ -103,6 +108,8 @@ def main(argv=None):
     ap.add_argument("--pair", action="append", default=None, metavar="NAME=DIR",
                     help="a directory with stdlib-target, stdlib-draft and heldout.json (default: new=models)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--keep-final-newline", action="store_true",
+                    help="end each prompt with its last line's newline (default: the model writes it)")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
     import torch
@@ -114,11 +121,12 @@ def main(argv=None):
     for name, d in pairs:
         d = Path(d)
         held = json.loads((d / "heldout.json").read_text())["prompts"]
-        prompts = [p["prompt"] for p in held]
+        # a held-out prompt is whole lines; its final newline is left to the model (see the module docstring)
+        prompts = [p["prompt"] if args.keep_final_newline else p["prompt"].rstrip("\n") for p in held]
         contexts, truths = [], []
-        for p in held:
+        for p, prompt in zip(held, prompts):
             text = (stdlib / p["file"]).read_text(encoding="utf-8", errors="replace")
-            end = text.index(p["prompt"]) + len(p["prompt"])
+            end = text.index(p["prompt"]) + len(prompt)
             contexts.append(text[:end])
             truths.append(text[end:])
         row = {}

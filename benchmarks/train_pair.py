@@ -28,7 +28,7 @@ BATCH = 16
 
 TARGET = dict(hidden_size=512, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4,
               intermediate_size=1536, tie_word_embeddings=False)
-DRAFT = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+DRAFT = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=768, tie_word_embeddings=True)
 TARGET_STEPS, TARGET_LR = 2400, 1.5e-3
 DRAFT_STEPS, DRAFT_LR = 1200, 3e-3
