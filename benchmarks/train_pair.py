@@ -1,6 +1,6 @@
 """Train the bundled target/draft pair on the Python standard library's source, offline and reproducibly.
 
-    python benchmarks/train_pair.py --out models/       # ~2.5 h on 2 cores; stopped, it resumes from .train/
+    python benchmarks/train_pair.py --out models/       # ~5 h on 2 cores; stopped, it resumes from .train/
 
 Writes models/stdlib-target, models/stdlib-draft (HF directories, fp16 safetensors, shared tokenizer),
 models/heldout.json (the held-out file list and benchmark prompts) and models/MODEL_CARD.md.
