@@ -152,6 +152,46 @@ def test_a_lone_greedy_draft_chain_in_the_engines_loop_proposes_what_the_generic
     assert slow.stats.draft_calls == len(calls) and 0 < fast.stats.accepted < fast.stats.proposed
 
 
+def test_a_lone_greedy_row_with_a_draft_runs_its_rounds_in_a_loop_of_its_own(target, draft, alone):
+    # one greedy row, a draft, k fixed: draft chain, verify and accept loop in _speculate_alone; the batch path
+    # (lone_row_loops off) makes the same calls, so tokens, acceptance and every counter are equal, also where
+    # the rounds shrink k near max_new_tokens and near the cache's capacity (a long prompt, finish "length")
+    accepted = proposed = 0
+    for prompt, params in ((make_prompt(8, 6), {"max_new_tokens": 80}), (make_prompt(3, 20), {"max_new_tokens": 45}),
+                           (make_prompt(9, 45), {"max_new_tokens": 400})):
+        results, stats = [], []
+        for loops in (True, False):
+            gen = Generator(target, draft, num_draft_tokens=4)
+            gen.scheduler.lone_row_loops = loops
+            results.append(gen.generate([prompt], **params))
+            stats.append(gen.scheduler.stats())
+        fast, slow = results
+        assert fast[0].token_ids == slow[0].token_ids == alone(prompt, **params).token_ids
+        assert fast[0].finish_reason == slow[0].finish_reason
+        for name in ("proposed", "accepted", "rounds", "target_calls", "draft_calls", "k_histogram"):
+            assert getattr(stats[0], name) == getattr(stats[1], name), name
+        assert fast[0].stats.accepted_histogram == slow[0].stats.accepted_histogram
+        accepted, proposed = accepted + stats[0].accepted, proposed + stats[0].proposed
+    assert 0 < accepted < proposed  # drafts both accepted and rejected
+    assert fast[0].finish_reason == "length" and len(alone(prompt, **params).token_ids) < 400  # capacity reached
+    # the loop stops for a newcomer (both then share rounds) and for a cancel
+    scheduler = Scheduler(target, draft, num_draft_tokens=3, k_policy="fixed")
+    long_handle = scheduler.submit(make_prompt(1, 5), max_new_tokens=200)
+    next(iter(long_handle))
+    short = scheduler.submit(make_prompt(2, 7), max_new_tokens=10).result(timeout=60)
+    assert not long_handle.done
+    assert short.token_ids == alone(make_prompt(2, 7), max_new_tokens=10).token_ids
+    assert long_handle.result(timeout=120).token_ids == alone(make_prompt(1, 5), max_new_tokens=200).token_ids
+    assert max(b for _, _, b in scheduler.round_log) == 2
+    slow = Scheduler(WrappedEngine(target, lambda ids, pos, row: time.sleep(0.002)), draft, k_policy="fixed")
+    handle = slow.submit(make_prompt(4, 10), max_new_tokens=200)
+    next(iter(handle))
+    handle.cancel()
+    cancelled = handle.result(timeout=60)
+    assert cancelled.finish_reason == "cancelled" and 0 < len(cancelled.token_ids) < 200
+    assert cancelled.token_ids == alone(make_prompt(4, 10), max_new_tokens=200).token_ids[: len(cancelled.token_ids)]
+
+
 def test_cancelling_a_request_frees_its_row_for_the_next(target, draft, alone):
     scheduler = Scheduler(target, draft, max_batch=1)
     first = scheduler.submit(make_prompt(4, 10), max_new_tokens=200)

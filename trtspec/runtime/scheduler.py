@@ -467,6 +467,9 @@ class Scheduler:
         self._stats = SchedulerStats()
         self.failure: Exception | None = None  # the last engine error (a server reports itself unhealthy on it)
         self.round_log: deque = deque(maxlen=1 << 16)  # (round number, k chosen, rows)
+        # a lone greedy row decodes in loops of its own (_decode_alone, _speculate_alone); False sends every
+        # round through the batch path (the same tokens and statistics; tests and benchmarks compare the two)
+        self.lone_row_loops = True
 
     def _check_k(self, k, allow_any=False):
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
@@ -713,9 +716,11 @@ class Scheduler:
         # every row writes [n - 1, n - 1 + T): no row may pass the cache's capacity
         t_cap = int((self.capacity - (n - 1)).min())
         caps = np.array([max(0, min(r.k, t_cap - 1, r.max_new_tokens - r.stats.new_tokens - 1)) for r in rows], np.int64)
-        if (b == 1 and len(self._rows) == 1 and self.drafter_name == "none" and rows[0].sampler.mode == "greedy"
-                and not caps.any()):
-            return self._decode_alone(rows[0], t_cap)
+        if b == 1 and len(self._rows) == 1 and rows[0].sampler.mode == "greedy" and self.lone_row_loops:
+            if self.drafter_name == "none" and not caps.any():
+                return self._decode_alone(rows[0], t_cap)
+            if self.drafter_name == "draft" and self.policy is None and caps.any():
+                return self._speculate_alone(rows[0])
         if self.policy is not None and caps.any():
             k = self.policy.choose(b, caps)
             caps = np.minimum(caps, k)
@@ -803,6 +808,50 @@ class Scheduler:
         if self.policy is not None:
             self.policy.target.record(1, 1, seconds / calls)
             self.policy.record_round(1, 0, 1, (time.perf_counter() - t0) / calls)
+
+    def _speculate_alone(self, r):
+        """One row decoding greedily with a draft model, nobody else running, k fixed: rounds of draft chain,
+        verify and accept in a loop of their own, without the batch bookkeeping of _decode_round (its array
+        work per round costs as much as a draft call of a small INT4 draft). The same calls, tokens, acceptance
+        and statistics as _decode_round; the loop ends when the row finishes or is cancelled, when a request
+        arrives, or when the row's last tokens leave no room to draft (the general round takes over)."""
+        stats, drafter, tokens = self._stats, self.drafter, self._tokens[0]
+        n_row, cached = self._n, drafter.cached
+        draft_forward, target_forward, clock = self.draft.forward, self.target.forward, time.perf_counter
+        while r.finish_reason is None and not r.cancelled and not self._waiting:
+            n = int(n_row[0])
+            k = min(r.k, self.capacity - n, r.max_new_tokens - r.stats.new_tokens - 1)
+            if k < 1:
+                return
+            t0 = clock()
+            c = int(cached[0])  # the draft lacks tokens [c, n): the last one, or two after a fully accepted round
+            first = int(draft_forward(tokens[None, c:n], np.arange(c, n)[None])[0, -1].argmax())
+            chain = [first]
+            greedy_steps(self.draft, 0, first, n, k - 1, lambda t: chain.append(t) or True)
+            cached[0] = n + k - 1
+            drafts = np.array(chain, np.int64)
+            t1 = clock()
+            ids = np.empty((1, k + 1), np.int64)
+            ids[0, 0], ids[0, 1:] = tokens[n - 1], drafts
+            logits = target_forward(ids, np.arange(n - 1, n + k)[None])
+            t2 = clock()
+            a, x = r.sampler.verify(drafts, None, logits[0], n)
+            self._emit(0, r, [*chain[:a], x])
+            valid = min(n + a, int(n_row[0]))  # the cache holds the verified tokens, not the last one
+            self._tc[0] = valid
+            cached[0] = min(int(cached[0]), valid)
+            stats.k_histogram[k] = stats.k_histogram.get(k, 0) + 1
+            self.round_log.append((stats.rounds, k, 1))
+            stats.rounds += 1
+            stats.target_calls += 1
+            stats.draft_calls += k
+            stats.draft_s += t1 - t0
+            stats.verify_s += t2 - t1
+            stats.proposed += k
+            stats.accepted += a
+            r.stats.target_calls += 1
+            r.stats.rounds += 1
+            r.stats.record_accept(a, k)
 
     def _prefill_round(self):
         """Rows [D, B) read their prompts: up to prefill_chunk tokens this round, first come first served.
