@@ -18,10 +18,10 @@ what a model writes; trtspec's greedy output is identical to it), then
   far and only needs more lines ("incomplete input"), and fails every other syntax error.
   Both checks on the file's true continuation (as many lines as the model wrote) are the reference.
 
-The held-out prompts are whole lines. Each is given without its final newline: the byte-level BPE tokenizer
-writes a newline and the next line's indentation as one token, so a prompt ending in a bare newline token
-tells the model the next line starts at column 0 (where, mid-function, it then writes top-level comments).
-The model writes the newline itself, as it did in training; `--keep-final-newline` measures the other way.
+The held-out prompts are whole lines without the last one's newline: the byte-level BPE tokenizer writes a
+newline and the next line's indentation as one token, so a prompt ending in a bare newline token tells the
+model the next line starts at column 0 (where, mid-function, it then writes top-level comments). The model
+writes the newline itself, as it did in training; `--keep-final-newline` measures the other way.
 
 Writes benchmarks/results/pair_quality.{json,md}.
 """
@@ -121,8 +121,9 @@ def main(argv=None):
     for name, d in pairs:
         d = Path(d)
         held = json.loads((d / "heldout.json").read_text())["prompts"]
-        # a held-out prompt is whole lines; its final newline is left to the model (see the module docstring)
-        prompts = [p["prompt"] if args.keep_final_newline else p["prompt"].rstrip("\n") for p in held]
+        # a held-out prompt is whole lines; its final newline is left to the model (see the module docstring;
+        # prompts files written before that carried it)
+        prompts = [p["prompt"].removesuffix("\n") + ("\n" if args.keep_final_newline else "") for p in held]
         contexts, truths = [], []
         for p, prompt in zip(held, prompts):
             text = (stdlib / p["file"]).read_text(encoding="utf-8", errors="replace")

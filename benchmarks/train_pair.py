@@ -95,7 +95,8 @@ def perplexity(model, data: np.ndarray, max_tokens: int = 65_536) -> float:
 
 
 def benchmark_prompts(held: list[Path], root: Path, tokenizer, n: int = 24, prompt_tokens: int = 96) -> list[dict]:
-    """A fixed prompt set: lines from a third into each held-out file, cut at a line end near prompt_tokens."""
+    """A fixed prompt set: lines from a third into each held-out file, cut at a line end near prompt_tokens
+    (the model writes that line's newline itself)."""
     prompts = []
     for p in held:
         text = read(p)
@@ -106,7 +107,9 @@ def benchmark_prompts(held: list[Path], root: Path, tokenizer, n: int = 24, prom
                 break
             acc += line
         if len(tokenizer(acc)["input_ids"]) >= prompt_tokens // 2 and len(text) > 3 * len(acc):
-            prompts.append({"file": p.relative_to(root).as_posix(), "prompt": acc})
+            # without the last line's newline: this byte-level BPE writes a newline and the next line's
+            # indentation as one token, so a prompt ending in a bare newline token says "column 0 next"
+            prompts.append({"file": p.relative_to(root).as_posix(), "prompt": acc.removesuffix("\n")})
         if len(prompts) == n:
             break
     return prompts

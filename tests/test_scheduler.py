@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import time
 
@@ -190,6 +191,29 @@ def test_a_lone_greedy_row_with_a_draft_runs_its_rounds_in_a_loop_of_its_own(tar
     cancelled = handle.result(timeout=60)
     assert cancelled.finish_reason == "cancelled" and 0 < len(cancelled.token_ids) < 200
     assert cancelled.token_ids == alone(make_prompt(4, 10), max_new_tokens=200).token_ids[: len(cancelled.token_ids)]
+
+
+def test_the_lone_row_loop_feeds_the_load_aware_policy_what_the_batch_path_does(target, draft, alone):
+    # k chosen by a scripted policy (0 included: plain rounds, after which the draft catches up wider); the loop
+    # and the batch path make the same choices from the same inputs and report the same rounds and call shapes
+    prompt, logs = make_prompt(5, 9), []
+    for loops in (True, False):
+        gen = Generator(target, draft, num_draft_tokens=4, adaptive_k=True)
+        gen.scheduler.lone_row_loops = loops
+        policy, log, script = gen.scheduler.policy, [], itertools.cycle([0, 3, 1, 4, 0, 0, 2])
+        policy.choose = lambda b, caps: min(next(script), int(caps.max()))
+        for name in ("record_round", "record_acceptance"):
+            method = getattr(policy, name)
+            setattr(policy, name, lambda *a, _m=method, _n=name: log.append((_n, *a[:3])) or _m(*a))
+        for costs in ("target", "draft"):
+            method = getattr(policy, costs).record
+            setattr(getattr(policy, costs), "record", lambda b, t, s, _m=method, _c=costs: log.append((_c, b, t)) or _m(b, t, s))
+        result = gen.generate([prompt], max_new_tokens=70)
+        assert result[0].token_ids == alone(prompt, max_new_tokens=70).token_ids
+        logs.append(log)
+    assert logs[0] == logs[1]
+    assert {entry[2] for entry in logs[0] if entry[0] == "record_round"} == {0, 1, 2, 3, 4}
+    assert ("draft", 1, 3) in logs[0]  # a catch-up of three tokens after a plain round
 
 
 def test_cancelling_a_request_frees_its_row_for_the_next(target, draft, alone):

@@ -77,7 +77,8 @@ def encode_files(tokenizer, files: list[Path]) -> np.ndarray:
 
 
 def heldout_prompts(files: list[Path], tokenizer, n: int, prompt_tokens: int = 64) -> list[str]:
-    """Whole lines from a third of the way into each held-out file, about prompt_tokens long."""
+    """Whole lines from a third of the way into each held-out file, about prompt_tokens long (the last newline
+    left to the model)."""
     prompts = []
     for p in files:
         lines = Path(p).read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)
@@ -87,7 +88,9 @@ def heldout_prompts(files: list[Path], tokenizer, n: int, prompt_tokens: int = 6
                 break
             acc += line
         if len(tokenizer(acc, add_special_tokens=False)["input_ids"]) >= prompt_tokens // 2:
-            prompts.append(acc)
+            # without the last newline: byte-level BPEs write a newline and the next indentation as one token,
+            # so a prompt ending in a bare newline would ask for a line at column 0
+            prompts.append(acc.removesuffix("\n"))
         if len(prompts) == n:
             break
     return prompts

@@ -719,7 +719,7 @@ class Scheduler:
         if b == 1 and len(self._rows) == 1 and rows[0].sampler.mode == "greedy" and self.lone_row_loops:
             if self.drafter_name == "none" and not caps.any():
                 return self._decode_alone(rows[0], t_cap)
-            if self.drafter_name == "draft" and self.policy is None and caps.any():
+            if self.drafter_name == "draft" and caps.any():
                 return self._speculate_alone(rows[0])
         if self.policy is not None and caps.any():
             k = self.policy.choose(b, caps)
@@ -751,12 +751,8 @@ class Scheduler:
         stats.verify_s += t2 - t1
         stats.draft_s += t1 - t0
         if self.policy is not None:
-            self.policy.target.record(b, width, t2 - t1)
-            if self.draft is not None and caps.any():  # each draft call at its size: a long catch-up is not a token
-                for calls, tokens, seconds in self.drafter.calls:
-                    self.policy.draft.record(calls, tokens, seconds)
-            elif kk > 0:
-                self.policy.draft.record(b, 1, (t1 - t0) / kk)
+            drafted = bool(caps.any()) if self.draft is not None else kk > 0
+            self._learn_calls(b, width, t2 - t1, drafted, (t1 - t0) / max(kk, 1))
 
         valid = n.copy()
         emitted = stats.generated_tokens
@@ -777,11 +773,26 @@ class Scheduler:
             tc[s] = valid[s]
         self.drafter.accepted(valid)
         if self.policy is not None:
-            seconds = time.perf_counter() - t0
-            if self.draft is not None and caps.any() and self.drafter.calls[0][1] > 2:
-                # a long catch-up pays for earlier rounds that did not draft: charge this round a usual one
-                seconds += self.policy.draft.estimate(b, 2) - self.drafter.calls[0][2]
-            self.policy.record_round(b, k, stats.generated_tokens - emitted, seconds)
+            self._learn_round(b, k, caps.any(), stats.generated_tokens - emitted, time.perf_counter() - t0)
+
+    def _learn_calls(self, b, width, verify_s, drafted, per_draft_token_s):
+        """Tell the load-aware policy what a round's calls cost (before its acceptance is known); ``drafted``:
+        the draft model ran this round (its calls are in drafter.calls), or another drafter proposed tokens."""
+        self.policy.target.record(b, width, verify_s)
+        if not drafted:
+            return
+        if self.draft is not None:  # each draft call at its size: a long catch-up is not a token
+            for calls, tokens, seconds in self.drafter.calls:
+                self.policy.draft.record(calls, tokens, seconds)
+        else:
+            self.policy.draft.record(b, 1, per_draft_token_s)
+
+    def _learn_round(self, b, k, drafted, emitted, seconds):
+        """Tell the load-aware policy what a whole round at (b, k) emitted and took."""
+        if self.draft is not None and drafted and self.drafter.calls[0][1] > 2:
+            # a long catch-up pays for earlier rounds that did not draft: charge this round a usual one
+            seconds += self.policy.draft.estimate(b, 2) - self.drafter.calls[0][2]
+        self.policy.record_round(b, k, emitted, seconds)
 
     def _decode_alone(self, r, t_cap):
         """One row decoding greedily, no drafter, nobody else running: a run of one-token target calls in the
@@ -810,48 +821,60 @@ class Scheduler:
             self.policy.record_round(1, 0, 1, (time.perf_counter() - t0) / calls)
 
     def _speculate_alone(self, r):
-        """One row decoding greedily with a draft model, nobody else running, k fixed: rounds of draft chain,
-        verify and accept in a loop of their own, without the batch bookkeeping of _decode_round (its array
-        work per round costs as much as a draft call of a small INT4 draft). The same calls, tokens, acceptance
-        and statistics as _decode_round; the loop ends when the row finishes or is cancelled, when a request
-        arrives, or when the row's last tokens leave no room to draft (the general round takes over)."""
-        stats, drafter, tokens = self._stats, self.drafter, self._tokens[0]
+        """One row decoding greedily with a draft model and nobody else running: rounds of draft chain, verify
+        and accept in a loop of their own, without the batch bookkeeping of _decode_round (whose array work
+        per round costs as much as a call of a small INT4 draft). The same calls, tokens, acceptance,
+        statistics and load-aware choices of k as _decode_round; the loop ends when the row finishes or is
+        cancelled, when a request arrives, or when the row's last tokens leave no room to draft."""
+        stats, drafter, tokens, policy = self._stats, self.drafter, self._tokens[0], self.policy
         n_row, cached = self._n, drafter.cached
         draft_forward, target_forward, clock = self.draft.forward, self.target.forward, time.perf_counter
         while r.finish_reason is None and not r.cancelled and not self._waiting:
             n = int(n_row[0])
             k = min(r.k, self.capacity - n, r.max_new_tokens - r.stats.new_tokens - 1)
             if k < 1:
-                return
+                return  # the general round emits the last token
+            if policy is not None:
+                k = policy.choose(1, np.array([k]))
+            stats.k_histogram[k] = stats.k_histogram.get(k, 0) + 1
+            self.round_log.append((stats.rounds, k, 1))
+            emitted = stats.generated_tokens
             t0 = clock()
-            c = int(cached[0])  # the draft lacks tokens [c, n): the last one, or two after a fully accepted round
-            first = int(draft_forward(tokens[None, c:n], np.arange(c, n)[None])[0, -1].argmax())
-            chain = [first]
-            greedy_steps(self.draft, 0, first, n, k - 1, lambda t: chain.append(t) or True)
-            cached[0] = n + k - 1
+            chain = []
+            if k:
+                c = int(cached[0])  # the draft lacks tokens [c, n): the last one, two after a full acceptance
+                chain.append(int(draft_forward(tokens[None, c:n], np.arange(c, n)[None])[0, -1].argmax()))
+                t_catch = clock() - t0
+                calls, seconds = greedy_steps(self.draft, 0, chain[0], n, k - 1, lambda t: chain.append(t) or True)
+                drafter.calls = [(1, n - c, t_catch), *([(1, 1, seconds / calls)] * calls if calls else [])]
+                cached[0] = n + k - 1
+                stats.draft_calls += k
             drafts = np.array(chain, np.int64)
             t1 = clock()
             ids = np.empty((1, k + 1), np.int64)
             ids[0, 0], ids[0, 1:] = tokens[n - 1], drafts
             logits = target_forward(ids, np.arange(n - 1, n + k)[None])
             t2 = clock()
+            stats.rounds += 1
+            stats.target_calls += 1
+            stats.draft_s += t1 - t0
+            stats.verify_s += t2 - t1
+            if policy is not None:
+                self._learn_calls(1, k + 1, t2 - t1, k > 0, 0.0)
+            r.stats.target_calls += 1
             a, x = r.sampler.verify(drafts, None, logits[0], n)
+            r.stats.rounds += 1
+            r.stats.record_accept(a, k)
+            if k and policy is not None:
+                policy.record_acceptance(k, a)
+            stats.proposed += k
+            stats.accepted += a
             self._emit(0, r, [*chain[:a], x])
             valid = min(n + a, int(n_row[0]))  # the cache holds the verified tokens, not the last one
             self._tc[0] = valid
             cached[0] = min(int(cached[0]), valid)
-            stats.k_histogram[k] = stats.k_histogram.get(k, 0) + 1
-            self.round_log.append((stats.rounds, k, 1))
-            stats.rounds += 1
-            stats.target_calls += 1
-            stats.draft_calls += k
-            stats.draft_s += t1 - t0
-            stats.verify_s += t2 - t1
-            stats.proposed += k
-            stats.accepted += a
-            r.stats.target_calls += 1
-            r.stats.rounds += 1
-            r.stats.record_accept(a, k)
+            if policy is not None:
+                self._learn_round(1, k, k > 0, stats.generated_tokens - emitted, clock() - t0)
 
     def _prefill_round(self):
         """Rows [D, B) read their prompts: up to prefill_chunk tokens this round, first come first served.
