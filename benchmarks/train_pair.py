@@ -32,6 +32,9 @@ DRAFT = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_ke
              intermediate_size=768, tie_word_embeddings=True)
 TARGET_STEPS, TARGET_LR = 2400, 1.5e-3
 DRAFT_STEPS, DRAFT_LR = 1200, 3e-3
+# --stage unlikelihood (an experiment, not part of the committed weights): the trained target fine-tuned
+# against its own greedy loops
+UL_STEPS, UL_LR, UL_WEIGHT, UL_PREFIX, UL_NEW = 200, 1e-4, 1.0, 64, 96
 
 
 def stdlib_files() -> tuple[list[Path], list[Path], Path]:
@@ -158,6 +161,56 @@ def train_target(train_ids: np.ndarray, work: Path, steps: int):
     return model, loop, seconds
 
 
+def unlikelihood_target(tokenizer, train_ids: np.ndarray, held_ids: np.ndarray, work: Path) -> dict:
+    """Fine-tune the trained target (.train/target) against greedy repetition; writes work/target-ul/model.
+
+    Sequence-level unlikelihood training (Welleck et al. 2019), per step: cross-entropy on 8 windows of the
+    training text, plus -log(1 - p(token)) on the tokens of the model's own greedy continuations (UL_NEW
+    tokens after UL_PREFIX tokens of training text, regenerated with the current weights every step) that lie
+    in a line repeating an earlier generated line (trtspec.training.repeated_line_mask). Resumable like the
+    other stages. Not part of --stage all: the committed target was not trained this way (models/MODEL_CARD.md
+    has what 200 steps did); to adopt it, copy the model to models/stdlib-target and distil the draft again.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    from trtspec.training import TrainConfig, TrainLoop, random_windows, repeated_line_mask
+
+    model = make_model(TARGET, seed=0)
+    model.load_state_dict(torch.load(work / "target" / "checkpoint.pt", map_location="cpu", weights_only=False)["model"])
+    half = BATCH // 2
+    pieces = [tokenizer.convert_tokens_to_string([t]) for t in tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))]
+    cfg = TrainConfig(steps=UL_STEPS, batch=BATCH, seq=SEQ, lr=UL_LR, seed=2, checkpoint_every=25, log_every=10,
+                      extra={"stage": "unlikelihood", "weight": UL_WEIGHT, "prefix": UL_PREFIX, "new": UL_NEW})
+    loop = TrainLoop(model, cfg, work / "target-ul", name="target-ul")
+
+    def batch(step):
+        text = torch.from_numpy(random_windows(train_ids, half, SEQ, 2, step))
+        prefixes = torch.from_numpy(random_windows(train_ids, half, UL_PREFIX - 1, 3, step))
+        with torch.no_grad():
+            gen = model.generate(input_ids=prefixes, attention_mask=torch.ones_like(prefixes), do_sample=False,
+                                 max_new_tokens=UL_NEW, min_new_tokens=UL_NEW, pad_token_id=0)
+        mask = np.stack([repeated_line_mask([pieces[t] for t in row], UL_PREFIX) for row in gen.tolist()])
+        return text, gen, torch.from_numpy(mask)
+
+    def loss(model, b, step):
+        text, gen, mask = b
+        logits = model(input_ids=text[:, :-1]).logits.float()
+        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), text[:, 1:].reshape(-1))
+        p = torch.log_softmax(model(input_ids=gen[:, :-1]).logits.float(), -1).gather(-1, gen[:, 1:, None])[..., 0].exp()
+        ul = -torch.log((1 - p).clamp_min(1e-5)) * mask[:, 1:]
+        return ce + UL_WEIGHT * ul.sum() / (half * UL_NEW)
+
+    seconds = loop.run(batch, loss)
+    ppl = perplexity(model, held_ids)
+    out = work / "target-ul" / "model"
+    model.to(torch.float16).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    print(f"[target-ul] held-out perplexity {ppl:.2f}; wrote {out}", flush=True)
+    return {"steps": UL_STEPS, "peak_lr": UL_LR, "weight": UL_WEIGHT, "train_minutes": seconds / 60,
+            "heldout_perplexity": ppl}
+
+
 def distill_drafts(out: Path, work: Path, train_files: list[Path], held: list[Path]) -> dict:
     """The bundled draft, distilled from the trained target with `trtspec distill`; and, for comparison, the same
     draft trained on the same budget without distillation (kd_weight 0: cross-entropy on the text)."""
@@ -188,7 +241,8 @@ def main():
     parser.add_argument("--out", default="models", type=Path)
     parser.add_argument("--work", default=".train", type=Path,
                         help="checkpoints and the token cache; a stopped run resumes from here")
-    parser.add_argument("--stage", choices=["target", "draft", "all"], default="all")
+    parser.add_argument("--stage", choices=["target", "draft", "all", "unlikelihood"], default="all",
+                        help="unlikelihood: the experiment of unlikelihood_target (not part of all)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -217,6 +271,10 @@ def main():
             {"rule": "sha256(path relative to the stdlib) mod 20 == 0",
              "files": [p.relative_to(root).as_posix() for p in held], "prompts": prompts}, indent=1))
         report_path.write_text(json.dumps(report, indent=2))
+    if args.stage == "unlikelihood":
+        result = unlikelihood_target(tokenizer, train_ids, held_ids, args.work)
+        (args.work / "target-ul" / "report.json").write_text(json.dumps(result, indent=2))
+        return
     if args.stage in ("draft", "all"):
         report.update(distill_drafts(args.out, args.work, train_files, held))
         report_path.write_text(json.dumps(report, indent=2))

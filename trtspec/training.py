@@ -193,6 +193,35 @@ class TrainLoop:
         return self.seconds
 
 
+def repeated_line_mask(pieces: list[str], start: int) -> np.ndarray:
+    """Tokens that repeat a line: [len(pieces)] bool, for unlikelihood training against greedy loops.
+
+    ``pieces`` are the decoded texts of a sequence's tokens, the generated ones from ``start``. A generated
+    complete line whose text (stripped) equals an earlier generated line is a repeat; the tokens lying
+    wholly inside it after its indentation are marked (not the newline-and-indent token that starts it,
+    nor the unfinished last line).
+    """
+    mask = np.zeros(len(pieces), bool)
+    text, spans = "", []
+    for piece in pieces[start:]:
+        spans.append((len(text), len(text) + len(piece)))
+        text += piece
+    seen, pos = set(), 0
+    lines = text.split("\n")
+    for line in lines[:-1]:
+        key = line.strip()
+        first, end = pos + len(line) - len(line.lstrip()), pos + len(line)
+        pos = end + 1
+        if not key:
+            continue
+        if key in seen:
+            for j, (a, b) in enumerate(spans):
+                if first <= a < b <= end + 1:  # a token may end with the line's own newline
+                    mask[start + j] = True
+        seen.add(key)
+    return mask
+
+
 def _diff(a: dict, b: dict) -> str:
     b = json.loads(json.dumps(b))
     keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
