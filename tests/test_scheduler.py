@@ -121,16 +121,23 @@ def test_a_lone_greedy_row_decodes_in_the_engines_loop_and_yields_to_arrivals_an
     solo = scheduler.submit(make_prompt(6, 5), max_new_tokens=60).result(timeout=60)
     assert solo.stats.target_calls == len(solo.token_ids) == 60  # one prefill call, then one call per token
     assert scheduler.stats().k_histogram == {0: 59}
+    _yields_to_an_arrival_and_a_cancel(scheduler, Scheduler(WrappedEngine(target, slow_call)), alone)
+
+
+def slow_call(ids, pos, row):
+    time.sleep(0.002)  # a request so slowed cannot finish before a cancel
+
+
+def _yields_to_an_arrival_and_a_cancel(scheduler, slow, alone):
+    """A lone row's loop stops for a newcomer, which finishes beside it; on ``slow`` (a slowed target) a cancel
+    ends the loop within a call. Every output is the request's own alone."""
     long_handle = scheduler.submit(make_prompt(1, 5), max_new_tokens=200)
     next(iter(long_handle))
-    short = scheduler.submit(make_prompt(2, 7), max_new_tokens=10)
-    result = short.result(timeout=60)
-    assert not long_handle.done  # the run stopped for the newcomer, which finished beside it
-    assert result.token_ids == alone(make_prompt(2, 7), max_new_tokens=10).token_ids
+    short = scheduler.submit(make_prompt(2, 7), max_new_tokens=10).result(timeout=60)
+    assert not long_handle.done
+    assert short.token_ids == alone(make_prompt(2, 7), max_new_tokens=10).token_ids
     assert long_handle.result(timeout=120).token_ids == alone(make_prompt(1, 5), max_new_tokens=200).token_ids
     assert max(b for _, _, b in scheduler.round_log) == 2
-    # a cancel ends the run within a call (the engine slowed down so the request cannot finish first)
-    slow = Scheduler(WrappedEngine(target, lambda ids, pos, row: time.sleep(0.002)))
     handle = slow.submit(make_prompt(4, 10), max_new_tokens=200)
     next(iter(handle))
     handle.cancel()
@@ -176,21 +183,8 @@ def test_a_lone_greedy_row_with_a_draft_runs_its_rounds_in_a_loop_of_its_own(tar
     assert 0 < accepted < proposed  # drafts both accepted and rejected
     assert fast[0].finish_reason == "length" and len(alone(prompt, **params).token_ids) < 400  # capacity reached
     # the loop stops for a newcomer (both then share rounds) and for a cancel
-    scheduler = Scheduler(target, draft, num_draft_tokens=3, k_policy="fixed")
-    long_handle = scheduler.submit(make_prompt(1, 5), max_new_tokens=200)
-    next(iter(long_handle))
-    short = scheduler.submit(make_prompt(2, 7), max_new_tokens=10).result(timeout=60)
-    assert not long_handle.done
-    assert short.token_ids == alone(make_prompt(2, 7), max_new_tokens=10).token_ids
-    assert long_handle.result(timeout=120).token_ids == alone(make_prompt(1, 5), max_new_tokens=200).token_ids
-    assert max(b for _, _, b in scheduler.round_log) == 2
-    slow = Scheduler(WrappedEngine(target, lambda ids, pos, row: time.sleep(0.002)), draft, k_policy="fixed")
-    handle = slow.submit(make_prompt(4, 10), max_new_tokens=200)
-    next(iter(handle))
-    handle.cancel()
-    cancelled = handle.result(timeout=60)
-    assert cancelled.finish_reason == "cancelled" and 0 < len(cancelled.token_ids) < 200
-    assert cancelled.token_ids == alone(make_prompt(4, 10), max_new_tokens=200).token_ids[: len(cancelled.token_ids)]
+    _yields_to_an_arrival_and_a_cancel(Scheduler(target, draft, num_draft_tokens=3, k_policy="fixed"),
+                                       Scheduler(WrappedEngine(target, slow_call), draft, k_policy="fixed"), alone)
 
 
 def test_the_lone_row_loop_feeds_the_load_aware_policy_what_the_batch_path_does(target, draft, alone):
