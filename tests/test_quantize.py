@@ -573,6 +573,16 @@ def test_tied_int4_engine_runs_matmul_nbits_and_an_exact_packed_lookup(quantized
     got = [ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run([name], feeds)[0]
            for m in (plain, ir.to_proto(model))]
     np.testing.assert_array_equal(got[0], got[1])
+    # the decode graph looks the rows up with one GatherBlockQuantized over the head's packed bytes, exactly
+    decode = ir.load(fused / "decode.onnx")
+    (gbq,) = [n for n in decode.graph if n.op_type == "GatherBlockQuantized"]
+    (head,) = [n for n in decode.graph if n.op_type == "MatMulNBits" and n.inputs[1] is gbq.inputs[0].producer().inputs[0]]
+    assert gbq.inputs[2] is head.inputs[2] and head.outputs[0].name == "logits"
+    assert not [n for n in decode.graph if n.op_type in ("BitShift", "BitwiseAnd")]
+    decode.graph.outputs.append(gbq.outputs[0])
+    ir.save(decode, fused / "probe.onnx")  # beside the weights file it references
+    sess = ort.InferenceSession(str(fused / "probe.onnx"), providers=["CPUExecutionProvider"])
+    np.testing.assert_array_equal(sess.run([gbq.outputs[0].name], feeds)[0], got[0])
 
 
 @pytest.mark.parametrize("arch", ["llama", "llama-gqa-rope3"])  # tied, untied

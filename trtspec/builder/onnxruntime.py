@@ -32,7 +32,7 @@ def _decode_graph(tmp: Path, graph: str, model: dict) -> dict:
     """decode.onnx beside the built graph (see ort_decode.py), or why there is none."""
     import onnx_ir as ir
 
-    from .ort_decode import NotApplicable, rewrite
+    from .ort_decode import NotApplicable, packed_lookup, rewrite
 
     decode = ir.load(tmp / graph)  # its weights stay references into the built graph's data file
     try:
@@ -40,10 +40,15 @@ def _decode_graph(tmp: Path, graph: str, model: dict) -> dict:
     except NotApplicable as e:
         log.info("no decode graph: %s", e)
         return {"graph": None, "reason": str(e)}
+    lookups = packed_lookup(decode)
     ir.save(decode, tmp / DECODE_GRAPH)
-    log.info("decode graph: GroupQueryAttention in %d layers", layers)
-    return {"graph": DECODE_GRAPH, "group_query_attention": layers,
+    log.info("decode graph: GroupQueryAttention in %d layers%s", layers,
+             ", the INT4 embedding lookup as GatherBlockQuantized" if lookups else "")
+    made = {"graph": DECODE_GRAPH, "group_query_attention": layers,
             "used_for": "calls of one row or one token; the others run the built graph"}
+    if lookups:
+        made["gather_block_quantized"] = lookups
+    return made
 
 
 def build_onnxruntime(export_dir: Path, export_manifest: dict, out_dir: Path, *, fuse_qdq: bool = True,

@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from .ort_lowering import MS, _const, _op
+from .ort_lowering import MS, PACKED_LOOKUP, _const, _op, _take_over
 
 
 class NotApplicable(Exception):
@@ -99,6 +99,10 @@ def rewrite(model: ir.Model, *, num_heads: int, num_kv_heads: int) -> int:
         if len(out_reshape) != 1 or out_reshape[0].node.op_type != "Reshape":
             raise NotApplicable(f"{attention.name}: its output is not reshaped to [B, T, H * D]")
         reshape = out_reshape[0].node  # reads [B, T, H, D] contiguous, the same elements as GQA's [B, T, H * D]
+        head_dim = k_write.inputs[0].shape[-1] if k_write.inputs[0].shape is not None else None
+        out_shape = reshape.outputs[0].shape
+        plain_view = (out_shape is not None and len(out_shape) == 3 and isinstance(head_dim, int)
+                      and out_shape[-1] == num_heads * head_dim)  # [B, T, H * D]: GQA's own output shape
         split = q3.producer()
         if (split is not None and split.op_type == "Split" and len(split.outputs) == 3
                 and all(a is b for a, b in zip(split.outputs, (q3, k3, v3)))
@@ -118,7 +122,10 @@ def rewrite(model: ir.Model, *, num_heads: int, num_kv_heads: int) -> int:
         gqa = ir.node("GroupQueryAttention", inputs, attributes=attrs, domain=MS, num_outputs=3,
                       name=f"{attention.name}/gqa")
         graph.insert_before(attention, gqa)
-        reshape.replace_input_with(0, gqa.outputs[0])
+        if plain_view:  # the Reshape does nothing: its readers take GQA's output
+            _take_over(reshape.outputs[0], gqa.outputs[0])
+        else:
+            reshape.replace_input_with(0, gqa.outputs[0])
         for old, new in ((k_write.outputs[0], gqa.outputs[1]), (v_write.outputs[0], gqa.outputs[2])):
             new.type, new.shape = old.type, old.shape
             ir.convenience.replace_all_uses_with(old, new, replace_graph_outputs=True)
@@ -130,3 +137,38 @@ def rewrite(model: ir.Model, *, num_heads: int, num_kv_heads: int) -> int:
     model.opset_imports.setdefault(MS, 1)
     graph.sort()
     return len(attentions)
+
+
+def packed_lookup(model: ir.Model) -> int:
+    """The tied INT4 table's lookup (ort_lowering: the rows of the lm_head's packed bytes gathered and unpacked by
+    a dozen element-wise nodes) as one ``GatherBlockQuantized``, reading the same bytes through a Reshape to
+    [V, K/2] and the same scales. onnxruntime folds that Reshape when it loads the graph, a copy in memory only:
+    the file keeps one table, and MatMulNBits prepacks its own layout from the original, which is then freed
+    (the same two copies in memory as before). Measured on the bundled draft's INT4 build (3.5 MB, 4 layers):
+    a one-token call 7 % faster. Returns how many lookups were replaced."""
+    graph = model.graph
+    nodes = {n.name: n for n in graph}
+    fired = 0
+    for out in [n for n in graph if n.op_type == "Reshape" and n.name.endswith(PACKED_LOOKUP)]:
+        base = out.name[: -len(PACKED_LOOKUP)] + "/int4"
+        rows, scales = nodes.get(f"{base}/rows"), nodes.get(f"{base}/scales")
+        if rows is None or scales is None or rows.inputs[1] is not scales.inputs[1]:
+            continue
+        packed, scale = rows.inputs[0], scales.inputs[0]
+        if (packed.const_value is None or scale.const_value is None or packed.const_value.dtype != ir.DataType.UINT8
+                or len(packed.shape) != 3 or len(scale.shape) != 2):
+            continue
+        v, blocks, half = packed.shape
+        flat = _op(graph, out, "Reshape", [packed, _const(graph, f"{base}/table_shape", np.array([v, blocks * half], np.int64))],
+                   f"{base}/table")
+        lookup = ir.node("GatherBlockQuantized", [flat, rows.inputs[1], scale], domain=MS, name=f"{base}/gather_block_quantized",
+                         attributes={"gather_axis": 0, "quantize_axis": 1, "block_size": 2 * half, "bits": 4})
+        graph.insert_before(out, lookup)
+        _take_over(out.outputs[0], lookup.outputs[0])
+        fired += 1
+    if fired:
+        from onnx_ir.passes.common import RemoveUnusedNodesPass
+
+        RemoveUnusedNodesPass()(model)
+        graph.sort()
+    return fired

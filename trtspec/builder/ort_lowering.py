@@ -9,8 +9,10 @@ Each rule matches one pattern and replaces it by what onnxruntime runs best, wit
 - ``tied_int4``: the tied weight quantized to INT4 (one ``DequantizeLinear`` blocked along the hidden axis,
   feeding both the embedding ``Gather`` and the lm_head's ``Transpose -> MatMul``). The head becomes
   ``MatMulNBits``; the embedding lookup gathers the rows of the *same* packed initializer and scales and unpacks
-  them (a few element-wise ops over B*T rows). onnxruntime's ``GatherBlockQuantized`` would need a second packed
-  copy: it wants the data [V, H/2] or int4 [V, H], ``MatMulNBits`` wants [V, H/B, B/2], and both check shapes.
+  them (a few element-wise ops over B*T rows). onnxruntime's ``GatherBlockQuantized`` wants the data [V, H/2] or
+  int4 [V, H], ``MatMulNBits`` wants [V, H/B, B/2], and both check shapes: the one kernel reads the other's bytes
+  through a Reshape, which onnxruntime's offline optimisation would fold into a second copy in the file. The
+  decode graph, saved after that optimisation, does use it (ort_decode.packed_lookup).
 
 ``lower(model, fuse_qdq=...)`` applies the rules and returns how often each fired (the manifest records it).
 """
@@ -107,6 +109,9 @@ def _op(graph: ir.Graph, anchor: ir.Node, op: str, inputs, name: str, **attribut
     return node.outputs[0]
 
 
+PACKED_LOOKUP = "/int4/rows_out"  # the name ending of the last node of a lookup made by _embedding_from_packed
+
+
 def _embedding_from_packed(graph: ir.Graph, gather: ir.Node, b: ir.Value, scales: ir.Value, hidden: int,
                            block_size: int) -> None:
     """Replace ``Gather(W_deq, ids)`` by the lookup of rows of the packed B [V, K/B, B/2] and scales [V, K/B]."""
@@ -129,7 +134,7 @@ def _embedding_from_packed(graph: ir.Graph, gather: ir.Node, b: ir.Value, scales
     shape = _op(graph, gather, "Concat", [_op(graph, gather, "Shape", [ids], f"{prefix}/ids_shape"),
                                           _const(graph, f"{prefix}.hidden", np.array([hidden], np.int64))],
                 f"{prefix}/out_shape", axis=0)
-    _take_over(out, _op(graph, gather, "Reshape", [deq, shape], f"{prefix}/rows_out"))
+    _take_over(out, _op(graph, gather, "Reshape", [deq, shape], f"{gather.name}{PACKED_LOOKUP}"))
     graph.remove(gather, safe=True)
 
 
