@@ -224,6 +224,18 @@ def test_cancelling_a_request_frees_its_row_for_the_next(target, draft, alone):
     assert scheduler.stats().requests_cancelled == 1
 
 
+def test_requests_queued_behind_a_lone_greedy_row_are_served_in_turn(target, draft, alone):
+    """max_batch 1: a lone greedy row keeps its own loop while others wait (no free row for them) and the
+    queue is served after it, with and without a draft; each output equals the request alone."""
+    prompts = [make_prompt(30 + i, 6) for i in range(3)]
+    for d in (None, draft):
+        scheduler = Scheduler(target, d, max_batch=1)
+        handles = [scheduler.submit(p, max_new_tokens=24) for p in prompts]
+        for p, handle in zip(prompts, handles):
+            assert handle.result(timeout=60).token_ids == alone(p, max_new_tokens=24).token_ids
+        assert scheduler.stats().requests_finished == 3
+
+
 def _completion_order(scheduler, submissions):
     """Submit while the scheduler's loop is held back, then let it run one row at a time."""
     lock = lease(scheduler.target)

@@ -794,16 +794,21 @@ class Scheduler:
             seconds += self.policy.draft.estimate(b, 2) - self.drafter.calls[0][2]
         self.policy.record_round(b, k, emitted, seconds)
 
+    def _arrival_fits(self) -> bool:
+        """A request is waiting and a row is free for it: the lone-row loops hand back to the round loop."""
+        return bool(self._waiting) and len(self._rows) < self.max_batch
+
     def _decode_alone(self, r, t_cap):
         """One row decoding greedily, no drafter, nobody else running: a run of one-token target calls in the
         engine's own loop (engines.base.greedy_steps) instead of a round of this loop per token, until the row
-        finishes, is cancelled, or a request arrives. Each call counts as a round; tokens, text, streaming and
-        stop rules are those of round-by-round decoding (every token goes through _emit as it comes)."""
+        finishes, is cancelled, or a request arrives that a free row could take. Each call counts as a round;
+        tokens, text, streaming and stop rules are those of round-by-round decoding (every token goes through
+        _emit as it comes)."""
         stats, n0 = self._stats, int(self._n[0])
 
         def on_token(token):
             self._emit(0, r, [token])
-            return r.finish_reason is None and not r.cancelled and not self._waiting
+            return r.finish_reason is None and not r.cancelled and not self._arrival_fits()
 
         t0 = time.perf_counter()
         steps = max(1, min(t_cap, r.max_new_tokens - r.stats.new_tokens))
@@ -825,11 +830,12 @@ class Scheduler:
         and accept in a loop of their own, without the batch bookkeeping of _decode_round (whose array work
         per round costs as much as a call of a small INT4 draft). The same calls, tokens, acceptance,
         statistics and load-aware choices of k as _decode_round; the loop ends when the row finishes or is
-        cancelled, when a request arrives, or when the row's last tokens leave no room to draft."""
+        cancelled, when a request arrives that a free row could take (with max_batch 1 the queue waits for this
+        row, as in the batch path), or when the row's last tokens leave no room to draft."""
         stats, drafter, tokens, policy = self._stats, self.drafter, self._tokens[0], self.policy
         n_row, cached = self._n, drafter.cached
         draft_forward, target_forward, clock = self.draft.forward, self.target.forward, time.perf_counter
-        while r.finish_reason is None and not r.cancelled and not self._waiting:
+        while r.finish_reason is None and not r.cancelled and not self._arrival_fits():
             n = int(n_row[0])
             k = min(r.k, self.capacity - n, r.max_new_tokens - r.stats.new_tokens - 1)
             if k < 1:
