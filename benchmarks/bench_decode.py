@@ -31,7 +31,7 @@ import statistics
 import time
 
 import numpy as np
-from bench_int4 import og_build, og_runner, stored_mb, timed_rounds, trtspec_runner
+from bench_int4 import og_build, og_runner, paired, stored_mb, timed_rounds, trtspec_runner
 from common import RESULTS, ROOT, WORK, made_from, memory_bandwidth_gbs, random_llama, save_results
 
 POSITION, VERIFY_TOKENS = 128, 5
@@ -169,7 +169,7 @@ def main(argv=None):
             if path is not None:
                 runners[f"onnxruntime-genai {precision}"] = og_runner(path, args.max_new_tokens)
         probe()
-        rates, outputs = timed_rounds(runners, prompts, args.rounds, log)
+        rates, outputs, per_round = timed_rounds(runners, prompts, args.rounds, log)
         probe()
         # the host loop: a generation's time outside engine calls (batch 1, target only)
         host = []
@@ -185,6 +185,8 @@ def main(argv=None):
             if "onnxruntime-genai fp32" in rates else None,
             "int4_over_float32": rates["trtspec int4"] / rates["trtspec float32"],
             "int4_over_og_int4": rates["trtspec int4"] / rates["onnxruntime-genai int4"]
+            if "onnxruntime-genai int4" in rates else None,
+            "int4_over_og_int4_per_round": paired(per_round, "trtspec int4", "onnxruntime-genai int4")
             if "onnxruntime-genai int4" in rates else None,
             "same_tokens_as_hf": {n: o == base for n, o in outputs.items()},
             "host_loop_share": statistics.median(host),
@@ -217,8 +219,10 @@ def markdown(res) -> str:
         og = lambda v: "n/a" if v is None else f"{v:.2f}x"  # noqa: E731
         lines += ["", f"trtspec float32 / HF: {g['trtspec_over_hf']:.2f}x; / onnxruntime-genai fp32: "
                   f"{og(g['trtspec_over_og_fp32'])}; trtspec int4 / float32: {g['int4_over_float32']:.2f}x; "
-                  f"/ onnxruntime-genai int4: {og(g['int4_over_og_int4'])}; host loop {g['host_loop_share']:.1%} "
-                  "of a generation's time."]
+                  f"/ onnxruntime-genai int4: {og(g['int4_over_og_int4'])}"
+                  + (f" (round by round: median {g['int4_over_og_int4_per_round']['median']:.2f}x)"
+                     if g.get("int4_over_og_int4_per_round") else "")
+                  + f"; host loop {g['host_loop_share']:.1%} of a generation's time."]
     return "\n".join(lines) + "\n"
 
 

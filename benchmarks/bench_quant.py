@@ -179,7 +179,7 @@ def main():
     (RESULTS / f"{args.out}.json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [
         f"Target perplexity on {len(windows)} held-out texts ({result['eval']['tokens']} tokens); decode = one call "
-        "at position 128; greedy = 8 prompts x 64 tokens; both medians of 5 interleaved rounds.",
+        f"at position 128; greedy = 8 prompts x 64 tokens; both medians of {args.rounds} interleaved rounds.",
         "",
         "| mode | size MB | ppl (Q/DQ as written) | change | KL to float32 | top-1 = float32 | ppl (onnxruntime engine) | "
         "change | engine kernels | decode ms | vs float32 | greedy tok/s | vs float32 |",

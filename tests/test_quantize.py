@@ -629,6 +629,7 @@ def test_gptq_reconstruction_error_is_below_round_to_nearest(exported):
 
 def test_self_draft_is_built_once_and_greedy_equals_the_target(exported, tmp_path):
     from trtspec import self_draft
+    from trtspec.runtime.self_draft import block_for
 
     target = build(exported("llama"), tmp_path / "target")
     prompts = ["def add(a, b):", "The quick brown fox"]
@@ -638,9 +639,11 @@ def test_self_draft_is_built_once_and_greedy_equals_the_target(exported, tmp_pat
     assert [r.token_ids for r in out] == expected
     assert out.stats.accepted > 0
     made = spec.draft.path
-    assert made == tmp_path / "target-self-int4-awq"
+    assert made == tmp_path / "target-self-int4-gptq"
     manifest = json.loads((made / "manifest.json").read_text())
-    assert manifest["quantization"]["mode"] == "int4-awq" and manifest["build"]["rewrites"]["tied_int4"] == 1
+    assert manifest["quantization"]["mode"] == "int4-gptq" and manifest["build"]["rewrites"]["tied_int4"] == 1
+    # the largest block dividing every weight's K (the tiny model: hidden 64, MLP 128 -> 64)
+    assert manifest["quantization"]["block_size"] == block_for(exported("llama")) == 64
     stamp = (made / "model.onnx").stat().st_mtime_ns
     assert self_draft(target) == made and (made / "model.onnx").stat().st_mtime_ns == stamp  # reused
     with pytest.raises(ArtifactError, match="already quantized"):
