@@ -648,3 +648,24 @@ def test_self_draft_is_built_once_and_greedy_equals_the_target(exported, tmp_pat
     assert self_draft(target) == made and (made / "model.onnx").stat().st_mtime_ns == stamp  # reused
     with pytest.raises(ArtifactError, match="already quantized"):
         self_draft(made)
+
+
+def test_a_block_size_that_leaves_weights_in_float_is_said_on_the_console(exported, tmp_path, caplog):
+    """The tiny model's K are 64 (hidden) and 128 (MLP): block 128 leaves every K = 64 weight in float and says
+    which block would quantize them all; block 64 quantizes everything and says nothing."""
+    src = exported("llama")
+    with caplog.at_level("WARNING", logger="trtspec.quantize"):
+        out = quantize(src, tmp_path / "b128", mode="int4-rtn", block_size=128)
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    def left_for_block(out):
+        return [e["name"] for e in json.loads((out / "quantization_report.json").read_text())["entries"]
+                if e["action"] == "skipped" and "does not divide" in e["detail"]]
+
+    assert len(left_for_block(out)) == 12  # q, k, v, o, gate, up of both layers (K = 64)
+    assert "does not divide K of 12 of the 14 MatMul weights (K = 64)" in warning
+    assert warning.endswith("--block-size 64 divides every K")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="trtspec.quantize"):
+        out = quantize(src, tmp_path / "b64", mode="int4-rtn", block_size=64)
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    assert left_for_block(out) == []

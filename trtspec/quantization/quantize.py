@@ -154,6 +154,8 @@ def quantize(
             amax[id(group[0].node)] = float(np.max(stats[x].absmax / (s if s is not None else 1.0)))
     if tied is not None:
         _quantize_tied(model, tied, scaling, stats, block_size, act_order, report)
+    if w_fmt == "int4":
+        _warn_ragged(linears, block_size)
     passes.quantize_weights(model, linears, w_fmt, report, block_size or 0, clips, precomputed)
     for group in groups:
         if a_fmt is not None:
@@ -185,6 +187,19 @@ def quantize(
     log.info("%s", report.format())
     log.info("wrote %s in %.1f s", out_dir, time.perf_counter() - t0)
     return out_dir
+
+
+def _warn_ragged(linears, block_size: int) -> None:
+    """Say on the console when the block size leaves weights in float (it must divide K), and which would not."""
+    ks = [lin.weight.const_value.shape[0] for lin in linears]
+    ragged = sorted({k for k in ks if k % block_size})
+    if not ragged:
+        return
+    fits = [b for b in BLOCK_SIZES if all(k % b == 0 for k in ks)]
+    log.warning("block size %d does not divide K of %d of the %d MatMul weights (K = %s): they stay in high precision "
+                "and are read whole every token; %s", block_size, sum(k % block_size != 0 for k in ks), len(ks),
+                ", ".join(map(str, ragged)),
+                f"--block-size {max(fits)} divides every K" if fits else "no supported block size divides every K")
 
 
 def _gptq_detail(act_order: bool) -> str:
