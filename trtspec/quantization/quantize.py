@@ -189,17 +189,22 @@ def quantize(
     return out_dir
 
 
+def largest_block_dividing(ks) -> int | None:
+    """The largest of BLOCK_SIZES that divides every K in ``ks`` (None if none does)."""
+    return max((b for b in BLOCK_SIZES if all(k % b == 0 for k in ks)), default=None)
+
+
 def _warn_ragged(linears, block_size: int) -> None:
     """Say on the console when the block size leaves weights in float (it must divide K), and which would not."""
     ks = [lin.weight.const_value.shape[0] for lin in linears]
-    ragged = sorted({k for k in ks if k % block_size})
-    if not ragged:
+    uneven = [k for k in ks if k % block_size]
+    if not uneven:
         return
-    fits = [b for b in BLOCK_SIZES if all(k % b == 0 for k in ks)]
+    fits = largest_block_dividing(ks)
     log.warning("block size %d does not divide K of %d of the %d MatMul weights (K = %s): they stay in high precision "
-                "and are read whole every token; %s", block_size, sum(k % block_size != 0 for k in ks), len(ks),
-                ", ".join(map(str, ragged)),
-                f"--block-size {max(fits)} divides every K" if fits else "no supported block size divides every K")
+                "and are read whole every token; %s", block_size, len(uneven), len(ks),
+                ", ".join(map(str, sorted(set(uneven)))),
+                f"--block-size {fits} divides every K" if fits else "no supported block size divides every K")
 
 
 def _gptq_detail(act_order: bool) -> str:

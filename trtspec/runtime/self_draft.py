@@ -48,13 +48,12 @@ def block_for(export_dir: Path) -> int:
     divide a weight's K leaves that weight in float, which costs a draft more than a smaller block)."""
     import onnx
 
-    from ..quantization.quantize import BLOCK_SIZES
+    from ..quantization.quantize import BLOCK_SIZES, largest_block_dividing
 
     graph = onnx.load(str(export_dir / read_manifest(export_dir)["graph"]), load_external_data=False).graph
     dims = {i.name: list(i.dims) for i in graph.initializer}
     ks = {dims[n.input[1]][0] for n in graph.node if n.op_type == "MatMul" and len(dims.get(n.input[1], ())) == 2}
-    fits = [b for b in BLOCK_SIZES if all(k % b == 0 for k in ks)]
-    return max(fits) if fits else min(BLOCK_SIZES)
+    return largest_block_dividing(ks) or min(BLOCK_SIZES)
 
 
 def self_draft(target, out_dir: str | os.PathLike | None = None, *, mode: str = SELF_DRAFT_MODE,
