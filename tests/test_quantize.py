@@ -346,12 +346,12 @@ def test_onnxruntime_engine_runs_int4_in_matmul_nbits_and_stays_close_to_the_qdq
     out = quantized("llama", "int4-rtn")
     fused = build(out, out.parent / "fused")
     made = json.loads((fused / "manifest.json").read_text())["build"]
-    # 14 quantized linears; q/k/v and gate/up packed into one MatMulNBits each: 4 kernels per layer
-    assert made["rewrites"]["packed_qkv"] == 2 and made["rewrites"]["packed_gate_up"] == 2
-    assert made["kernels"] == {"MatMulNBits": 8}
+    # 14 quantized linears; q/k/v packed into one MatMulNBits (INT4 gate and up stay two): 5 kernels per layer
+    assert made["rewrites"]["packed_qkv"] == 2 and "packed_gate_up" not in made["rewrites"]
+    assert made["kernels"] == {"MatMulNBits": 10}
     unfused = build(out, out.parent / "unfused", fuse_qdq=False)
     # unfused, the engine keeps the Q/DQ graph (INT4 on disk); onnxruntime dequantizes the weights when it loads it
-    assert json.loads((unfused / "manifest.json").read_text())["build"]["kernels"] == {"DequantizeLinear": 8}
+    assert json.loads((unfused / "manifest.json").read_text())["build"]["kernels"] == {"DequantizeLinear": 10}
     ids = np.asarray(random_ids(12, seed=7))
     a = load_engine(fused).forward(ids[None], np.arange(12)[None])[0]
     b = load_engine(unfused).forward(ids[None], np.arange(12)[None])[0]
@@ -398,13 +398,65 @@ def test_calibrated_quantization_is_deterministic_and_hashes_its_data(exported, 
     assert calib[2]["file"] == str(text.resolve()) and calib[2]["samples"] == 4
 
 
-def test_block_size_that_does_not_divide_k_skips_the_matmul_with_a_reason(quantized):
-    out = quantized("llama", "int4-rtn", block_size=128)  # hidden 64: only down_proj (K=128) divides
+def test_a_block_size_that_does_not_divide_k_pads_the_last_block_and_the_input(quantized, model_dir):
+    """Block 128 on the tiny model (K = 64 for q/k/v/o/gate/up, 128 for down_proj): every weight is quantized, the
+    K = 64 ones in one block zero-padded to 128 with a Pad of their input (TensorRT's rules: whole blocks); the
+    Q/DQ graph computes the HF model with reference-quantized weights; the onnxruntime build drops the Pads into
+    ragged MatMulNBits and stays close to it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = quantized("llama", "int4-rtn", block_size=128)
     entries = json.loads((out / "quantization_report.json").read_text())["entries"]
-    quantized_names = [e["name"] for e in entries if e["action"] == "quantized"]
-    assert quantized_names == ["layers.0.mlp.down_proj", "layers.1.mlp.down_proj"]
-    q_proj = next(e for e in entries if e["name"] == "layers.0.self_attn.q_proj")
-    assert q_proj["detail"] == "block size 128 does not divide K=64; left in high precision"
+    assert [e["name"] for e in entries if e["action"] != "quantized"] == ["lm_head"]  # tied: hidden 64, whole blocks only
+    assert "the last one 64 wide (zero-padded to 128, the input too)" in next(
+        e["detail"] for e in entries if e["name"] == "layers.0.self_attn.q_proj")
+    proto = onnx.load(str(out / "model.onnx"))
+    assert qdq_violations(proto) == []
+    # one Pad per padded activation, shared by the MatMuls reading it: q/k/v's input, o_proj's, gate/up's, per layer
+    assert sum(n.op_type == "Pad" for n in proto.graph.node) == 6
+    ids = random_ids(16, seed=5)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir("llama")).eval()
+    with torch.no_grad():
+        for name, module in hf.named_modules():
+            if isinstance(module, torch.nn.Linear) and name != "lm_head":
+                w = module.weight.numpy().T
+                np.testing.assert_array_equal(weights_of(out)[name.removeprefix("model.")][w.shape[0]:], 0.0)
+                module.weight.copy_(torch.from_numpy(ref_int4(w, 128).T))
+    qdq = step_logits(out, ids)
+    np.testing.assert_allclose(qdq, hf_logits(hf, ids), atol=2e-4, rtol=1e-4)
+
+    fused = build(out, out.parent / "ragged-fused")
+    made = json.loads((fused / "manifest.json").read_text())["build"]
+    assert made["rewrites"]["ragged_int4"] == 6 and made["kernels"] == {"MatMulNBits": 10}
+    engine = onnx.load(str(fused / "model.onnx"), load_external_data=False)
+    assert not [n for n in engine.graph.node if n.op_type == "Pad"]
+    got = step_logits(out, ids, fuse_qdq=True)
+    assert np.abs(got - qdq).max() / np.abs(qdq).max() < 0.05  # accuracy_level 4: int8 activations per block
+
+
+def test_rule_checker_rejects_a_blocked_int4_weight_with_a_partial_block():
+    q = helper.make_tensor("q", TensorProto.INT4, [48, 4], bytes(48 * 4 // 2), raw=True)  # packed, as trtspec writes
+    scale = numpy_helper.from_array(np.ones((2, 4), np.float32), "s")
+    graph = helper.make_graph([helper.make_node("DequantizeLinear", ["q", "s"], ["w"], axis=0, block_size=32, name="dq"),
+                               helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 48])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])], [q, scale])
+    (problem,) = qdq_violations(helper.make_model(graph))
+    assert "has 48 rows along its blocked axis, not a multiple of block_size 32" in problem
+
+
+def test_awq_scales_only_inputs_whose_scale_folds_into_the_op_before(quantized):
+    """The norms' outputs (q/k/v, gate/up) and up_proj's product (down_proj) take AWQ's 1/s into a constant;
+    o_proj's input, the attention output, would need a Mul per call: it gets clipping only, no Mul."""
+    out = quantized("llama", "int4-awq")
+    proto = onnx.load(str(out / "model.onnx"))
+    assert not [n.name for n in proto.graph.node if n.op_type == "Mul" and "input_inv_scale" in n.name]
+    notes = json.loads((out / "quantization_report.json").read_text())["notes"]
+    assert [n for n in notes if n.startswith("AWQ scale skipped")] == [
+        f"AWQ scale skipped on the input of layers.{i}.self_attn.o_proj: 1/s would not fold into the op making it "
+        "(a Mul per call); clipping only" for i in range(2)]
+    assert any("folded into" in n and "down_proj" in n for n in notes)
 
 
 def test_quantizing_a_quantized_artifact_is_refused(quantized, tmp_path):
@@ -554,8 +606,8 @@ def test_tied_int4_engine_runs_matmul_nbits_and_an_exact_packed_lookup(quantized
     out = quantized("llama", "int4-rtn", quantize_lm_head=True)
     fused = build(out, out.parent / "tied-fused")
     made = json.loads((fused / "manifest.json").read_text())["build"]
-    # 14 linears packed into 8 MatMulNBits (q/k/v and gate/up merged) and the tied lm_head
-    assert made["rewrites"]["tied_int4"] == 1 and made["kernels"] == {"MatMulNBits": 9}
+    # 14 linears in 10 MatMulNBits (q/k/v merged) and the tied lm_head
+    assert made["rewrites"]["tied_int4"] == 1 and made["kernels"] == {"MatMulNBits": 11}
     ids = np.asarray(random_ids(12, seed=12))
     a = _prefill_then_decode(load_engine(fused), ids)
     b = _prefill_then_decode(load_engine(build(out, out.parent / "tied-plain", fuse_qdq=False)), ids)
@@ -642,30 +694,9 @@ def test_self_draft_is_built_once_and_greedy_equals_the_target(exported, tmp_pat
     assert made == tmp_path / "target-self-int4-gptq"
     manifest = json.loads((made / "manifest.json").read_text())
     assert manifest["quantization"]["mode"] == "int4-gptq" and manifest["build"]["rewrites"]["tied_int4"] == 1
-    # the largest block dividing every weight's K (the tiny model: hidden 64, MLP 128 -> 64)
+    # the largest block dividing the hidden size (the tied table takes whole blocks; the tiny model's is 64)
     assert manifest["quantization"]["block_size"] == block_for(exported("llama")) == 64
     stamp = (made / "model.onnx").stat().st_mtime_ns
     assert self_draft(target) == made and (made / "model.onnx").stat().st_mtime_ns == stamp  # reused
     with pytest.raises(ArtifactError, match="already quantized"):
         self_draft(made)
-
-
-def test_a_block_size_that_leaves_weights_in_float_is_said_on_the_console(exported, tmp_path, caplog):
-    """The tiny model's K are 64 (hidden) and 128 (MLP): block 128 leaves every K = 64 weight in float and says
-    which block would quantize them all; block 64 quantizes everything and says nothing."""
-    src = exported("llama")
-    with caplog.at_level("WARNING", logger="trtspec.quantize"):
-        out = quantize(src, tmp_path / "b128", mode="int4-rtn", block_size=128)
-    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    def left_for_block(out):
-        return [e["name"] for e in json.loads((out / "quantization_report.json").read_text())["entries"]
-                if e["action"] == "skipped" and "does not divide" in e["detail"]]
-
-    assert len(left_for_block(out)) == 12  # q, k, v, o, gate, up of both layers (K = 64)
-    assert "does not divide K of 12 of the 14 MatMul weights (K = 64)" in warning
-    assert warning.endswith("--block-size 64 divides every K")
-    caplog.clear()
-    with caplog.at_level("WARNING", logger="trtspec.quantize"):
-        out = quantize(src, tmp_path / "b64", mode="int4-rtn", block_size=64)
-    assert not [r for r in caplog.records if r.levelname == "WARNING"]
-    assert left_for_block(out) == []

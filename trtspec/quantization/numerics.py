@@ -37,24 +37,37 @@ def fp8_per_channel(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return x.astype(ml_dtypes.float8_e4m3fn), scale
 
 
-def int4_blocked(w: np.ndarray, block_size: int, clip: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """w [K, N] -> q int4 [K, N], scale [K / block_size, N] (blocks of block_size along K).
+def padded_k(k: int, block_size: int) -> int:
+    """K rounded up to a whole number of blocks: a block size need not divide K, the last block is zero-padded."""
+    return -(-k // block_size) * block_size
 
-    ``clip`` [K / block_size, N] in (0, 1] shrinks each block's range (AWQ's clipping): values beyond
-    clip * max|block| saturate, the rest get a finer grid.
+
+def pad_rows(a: np.ndarray, rows: int) -> np.ndarray:
+    """``a`` with zero rows appended (axis 0) up to ``rows``."""
+    return a if a.shape[0] == rows else np.pad(a, [(0, rows - a.shape[0])] + [(0, 0)] * (a.ndim - 1))
+
+
+def int4_blocked(w: np.ndarray, block_size: int, clip: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """w [K, N] -> q int4 [K', N], scale [K' / block_size, N] (blocks of block_size along K).
+
+    K' is K rounded up to a multiple of block_size: where the block size does not divide K the last block
+    is padded with zero rows (q = 0 there), and the graph zero-pads the MatMul's input to K' to match
+    (what TensorRT's blocked DequantizeLinear needs: whole blocks). ``clip`` [K' / block_size, N] in (0, 1]
+    shrinks each block's range (AWQ's clipping): values beyond clip * max|block| saturate, the rest get a
+    finer grid.
     """
     k, n = w.shape
-    if k % block_size:
-        raise ValueError(f"block size {block_size} does not divide K={k}")
-    blocks = w.astype(np.float32).reshape(k // block_size, block_size, n)
+    kp = padded_k(k, block_size)
+    blocks = pad_rows(w.astype(np.float32), kp).reshape(kp // block_size, block_size, n)
     amax = np.abs(blocks).max(axis=1)
     scale = _scale(amax if clip is None else amax * clip, INT4_MAX, w.dtype)
     q = np.clip(np.rint(blocks / scale.astype(np.float32)[:, None, :]), INT4_MIN, INT4_MAX)
-    return q.reshape(k, n).astype(ml_dtypes.int4), scale
+    return q.reshape(kp, n).astype(ml_dtypes.int4), scale
 
 
 def dequantize(q: np.ndarray, scale: np.ndarray, block_size: int = 0) -> np.ndarray:
-    """The float32 weight a DequantizeLinear of (q, scale) produces: per channel ([N]) or blocked ([K/B, N])."""
+    """The float32 weight a DequantizeLinear of (q, scale) produces: per channel ([N]) or blocked ([K'/B, N],
+    with K' = q's rows, padding included)."""
     scale = scale.astype(np.float32)
     if block_size:
         scale = np.repeat(scale, block_size, axis=0)
@@ -68,7 +81,7 @@ def fake_quantize(w: np.ndarray, fmt: str, block_size: int = 0, clip: np.ndarray
     if fmt == "fp8":
         return dequantize(*fp8_per_channel(w))
     if fmt == "int4":
-        return dequantize(*int4_blocked(w, block_size, clip), block_size)
+        return dequantize(*int4_blocked(w, block_size, clip), block_size)[: w.shape[0]]
     raise ValueError(f"unknown format {fmt!r}")
 
 
@@ -129,9 +142,10 @@ def awq_clip_search(x: np.ndarray, w: np.ndarray, block_size: int,
     x [R, K] calibration activations (already divided by the AWQ scale), w [K, N] (already scaled).
     The output error separates over blocks: x W - x Q(W) = sum_b x[:, b] (W_b - Q(W_b)), and each
     block's term over its output channels, so every (block, channel) picks its ratio on its own.
-    Returns (clip [K/B, N], loss with the clip, loss without) where loss is that sum of per-block errors.
+    Returns (clip [K'/B, N], loss with the clip, loss without) where loss is that sum of per-block errors.
     """
-    x = x.astype(np.float32)
+    kp = padded_k(w.shape[0], block_size)  # a ragged last block: zero inputs meet zero weights
+    x, w = pad_rows(x.astype(np.float32).T, kp).T, pad_rows(w, kp)
     k, n = w.shape
     nb = k // block_size
     xb = x.reshape(len(x), nb, block_size)
@@ -148,7 +162,8 @@ def awq_clip_search(x: np.ndarray, w: np.ndarray, block_size: int,
 
 def gptq(w: np.ndarray, xtx: np.ndarray, block_size: int, *, damp: float = 0.01, act_order: bool = True,
          lazy_batch: int = 128) -> tuple[np.ndarray, np.ndarray]:
-    """GPTQ (Frantar et al. 2023) for int4 weights blocked along K: w [K, N] -> q int4 [K, N], scale [K/B, N].
+    """GPTQ (Frantar et al. 2023) for int4 weights blocked along K: w [K, N] -> q int4 [K', N], scale [K'/B, N]
+    (K' as in int4_blocked: a ragged last block is padded with zero rows, which GPTQ sees as dead channels).
 
     ``xtx`` [K, K] is sum x^T x over the calibration inputs x [R, K] (the layer's Hessian up to a factor 2/R).
     Input channels are quantized one at a time, in order of decreasing Hessian diagonal with ``act_order``,
@@ -158,11 +173,10 @@ def gptq(w: np.ndarray, xtx: np.ndarray, block_size: int, *, damp: float = 0.01,
     w (max |block| / 7; with act_order the blocks are visited out of order, so they are fixed up front); a
     block's scale does not move, its integers do. Channels the calibration never excited get zero weight.
     """
-    k, n = w.shape
-    if k % block_size:
-        raise ValueError(f"block size {block_size} does not divide K={k}")
-    wt = w.astype(np.float64).T.copy()  # [N, K]: GPTQ's rows-are-outputs layout
-    h = np.asarray(xtx, np.float64).copy()
+    k = padded_k(w.shape[0], block_size)
+    n = w.shape[1]
+    wt = pad_rows(w.astype(np.float64), k).T.copy()  # [N, K']: GPTQ's rows-are-outputs layout
+    h = pad_rows(pad_rows(np.asarray(xtx, np.float64), k).T, k).T.copy()
     dead = np.diag(h) == 0
     h[dead, dead] = 1.0
     wt[:, dead] = 0.0

@@ -3,7 +3,9 @@
 - ``find_linears``: the MatMuls (and GPT-2's Gemms) over a constant [K, N] weight, and which are left alone.
 - ``scale_inputs``: divide a MatMul input by per-channel factors s and multiply the weight rows by s
   (SmoothQuant migration, AWQ scaling). The graph computes the same function afterwards.
-- ``quantize_weights``: weight -> DequantizeLinear(constant q, constant scale) -> MatMul.
+- ``quantize_weights``: weight -> DequantizeLinear(constant q, constant scale) -> MatMul. An INT4 block size
+  that does not divide K pads the weight's last block with zero rows and the MatMul's input with as many
+  zero columns (TensorRT's blocked DequantizeLinear takes whole blocks; onnxruntime's build folds the Pad).
 - ``quantize_activations``: activation -> QuantizeLinear -> DequantizeLinear -> MatMul, per-tensor scale.
 
 We write these ourselves rather than call onnxruntime.quantization or ModelOpt:
@@ -212,14 +214,11 @@ def scale_inputs(model: ir.Model, group: list[Linear], s: np.ndarray, report: Qu
     """
     graph = model.graph
     x = group[0].activation
-    members = {id(linear.node) for linear in group}
     for linear in group:
         w = linear.weight_array()
         _set_constant(linear.weight, w.astype(np.float32) * s[:, None])
     inv = (1.0 / s).astype(np.float32)
-    how = None
-    if all(id(use.node) in members for use in x.uses()) and x not in graph.outputs:
-        how = _fold(x, inv)
+    how = _fold(x, inv) if input_scale_foldable(model, group) else None
     if how is None:
         c = _constant(graph, f"{group[0].name}.input_inv_scale", inv.astype(x.dtype.numpy()))
         mul = ir.node("Mul", [x, c], name=_node_name(graph, f"{group[0].name}/input_inv_scale"))
@@ -259,35 +258,47 @@ def _last_dim(value: ir.Value) -> int | None:
     return value.shape[-1] if value.shape is not None and len(value.shape) and isinstance(value.shape[-1], int) else None
 
 
-def _fold(x: ir.Value, inv: np.ndarray) -> str | None:
-    """Fold x -> x * inv into the node producing x, if exact; returns what it did, or None."""
+def _fold(x: ir.Value, inv: np.ndarray | int, apply: bool = True) -> str | None:
+    """Fold x -> x * inv into the node producing x, if exact; returns what it did (or would do: ``apply`` False,
+    ``inv`` may then be just its length), or None."""
     node = x.producer()
-    k = inv.shape[0]
+    k = inv if isinstance(inv, int) else inv.shape[0]
     if node is None:
         return None
     if node.op_type == "Reshape" and _last_dim(node.inputs[0]) == k == _last_dim(x) and len(node.inputs[0].uses()) == 1:
-        return _fold(node.inputs[0], inv)  # GPT-2 flattens [B, T, C] -> [B*T, C] before its Gemm
+        return _fold(node.inputs[0], inv, apply)  # GPT-2 flattens [B, T, C] -> [B*T, C] before its Gemm
     if node.op_type == "LayerNormalization" and _is_vector(node.inputs[1], k):
         bias = node.inputs[2] if len(node.inputs) > 2 else None
         if bias is not None and not _is_vector(bias, k):
             return None
-        _scale_operand(node, 1, inv)
-        if bias is not None:
-            _scale_operand(node, 2, inv)
+        if apply:
+            _scale_operand(node, 1, inv)
+            if bias is not None:
+                _scale_operand(node, 2, inv)
         return f"folded into {node.name} (LayerNormalization scale and bias)"
     if node.op_type != "Mul":
         return None
     for i, operand in enumerate(node.inputs):
         if _is_vector(operand, k):
-            _scale_operand(node, i, inv)
+            if apply:
+                _scale_operand(node, i, inv)
             return f"folded into {node.name} (the norm's weight)"
     for operand in node.inputs:
         up = operand.producer() if operand is not None else None
         if (up is not None and up.op_type == "MatMul" and len(operand.uses()) == 1 and up.inputs[1] is not None
                 and up.inputs[1].const_value is not None and tuple(up.inputs[1].const_value.shape)[-1] == k):
-            _scale_operand(up, 1, inv[None, :])
+            if apply:
+                _scale_operand(up, 1, inv[None, :])
             return f"folded into the output columns of {up.name}"
     return None
+
+
+def input_scale_foldable(model: ir.Model, group: list[Linear]) -> bool:
+    """Whether ``scale_inputs`` on this group folds 1/s into the op making its input (no Mul added per call)."""
+    x = group[0].activation
+    members = {id(linear.node) for linear in group}
+    return (all(id(use.node) in members for use in x.uses()) and x not in model.graph.outputs
+            and _fold(x, group[0].weight.const_value.shape[0], apply=False) is not None)
 
 
 def quantize_weights(model: ir.Model, linears: list[Linear], fmt: str, report: QuantizationReport,
@@ -300,13 +311,10 @@ def quantize_weights(model: ir.Model, linears: list[Linear], fmt: str, report: Q
     """
     graph = model.graph
     q_dtype, _ = FORMATS[fmt]
+    padded: dict[int, ir.Value] = {}  # activation -> its zero-padded copy, shared by the MatMuls reading it
     for linear in linears:
         w = linear.weight_array()
         k, n = w.shape
-        if fmt == "int4" and k % block_size:
-            report.update(linear.name, action="skipped",
-                          detail=f"block size {block_size} does not divide K={k}; left in high precision")
-            continue
         if fmt == "int8":
             q, scale = numerics.int8_per_channel(w)
             attrs, layout = {"axis": 1}, "per output channel"
@@ -319,12 +327,18 @@ def quantize_weights(model: ir.Model, linears: list[Linear], fmt: str, report: Q
         else:
             q, scale = numerics.int4_blocked(w, block_size, (clips or {}).get(linear.name))
             attrs, layout = {"axis": 0, "block_size": block_size}, f"blocks of {block_size} along K"
+        if q.shape[0] != k:  # a ragged last block, padded with zero rows: the input gets as many zero columns
+            x = linear.activation
+            if id(x) not in padded:
+                padded[id(x)] = _pad_last_axis(graph, x, q.shape[0] - k, linear)
+            linear.node.replace_input_with(0, padded[id(x)])
+            layout += f", the last one {k % block_size} wide (zero-padded to {block_size}, the input too)"
         qv = _constant(graph, f"{linear.name}.weight_quantized", q.astype(q_dtype))
         sv = _constant(graph, f"{linear.name}.weight_scale", scale)
         dq = ir.node("DequantizeLinear", [qv, sv], attributes=attrs, name=_node_name(graph, f"{linear.name}/weight_dq"))
         dq.outputs[0].name = f"{linear.name}.weight_dequantized"
         dq.outputs[0].type = ir.TensorType(linear.weight.const_value.dtype)
-        dq.outputs[0].shape = ir.Shape([k, n])
+        dq.outputs[0].shape = ir.Shape(list(q.shape))
         graph.insert_before(linear.node, dq)
         old = linear.weight
         linear.node.replace_input_with(1, dq.outputs[0])
@@ -332,6 +346,27 @@ def quantize_weights(model: ir.Model, linears: list[Linear], fmt: str, report: Q
         detail = report.entry(linear.name).detail
         report.update(linear.name, action="quantized", bytes_after=qv.const_value.nbytes + sv.const_value.nbytes,
                       detail="; ".join(filter(None, [f"{fmt} weight, {layout}", detail])))
+
+
+def _pad_last_axis(graph: ir.Graph, x: ir.Value, extra: int, linear: Linear) -> ir.Value:
+    """x [..., K] -> Pad(x) [..., K + extra] with zeros at the end of the last axis, inserted before the linear."""
+    rank = len(x.shape) if x.shape is not None else None
+    if rank is not None:  # explicit pads on every axis (no ``axes`` input)
+        pads, inputs = [0] * (2 * rank), None
+        pads[-1] = extra
+    else:
+        pads, inputs = [0, extra], [_constant(graph, f"{linear.name}.input_pad_axes", np.array([-1], np.int64))]
+    pad_value = _constant(graph, f"{linear.name}.input_pads", np.array(pads, np.int64))
+    zero = _constant(graph, f"{linear.name}.input_pad_value", np.zeros((), x.dtype.numpy()))
+    node = ir.node("Pad", [x, pad_value, zero, *(inputs or [])], name=_node_name(graph, f"{linear.name}/input_pad"))
+    node.outputs[0].name = f"{linear.name}.input_padded"
+    node.outputs[0].type = x.type
+    if rank is not None:
+        dims = list(x.shape)
+        dims[-1] = dims[-1] + extra if isinstance(dims[-1], int) else None
+        node.outputs[0].shape = ir.Shape(dims)
+    graph.insert_before(linear.node, node)
+    return node.outputs[0]
 
 
 def quantize_activations(model: ir.Model, group: list[Linear], amax: float, fmt: str,

@@ -98,6 +98,11 @@ def _check_int4(node, g):
         yield f"{node.name}: INT4 DequantizeLinear without block_size; TensorRT's INT4 is blocked (block_size along K)"
     elif len(weight.dims) == 2 and attr(node, "axis", 1) not in (0, -2) and not _is_tied_table(node, g):
         yield f"{node.name}: INT4 weight {node.input[0]!r} is blocked along axis {attr(node, 'axis', 1)}; block along K (axis 0 of a [K, N] weight)"
+    elif len(weight.dims) == 2 and weight.dims[attr(node, "axis", 1)] % attr(node, "block_size", 0):
+        blocked = weight.dims[attr(node, "axis", 1)]
+        yield (f"{node.name}: INT4 weight {node.input[0]!r} has {blocked} rows along its blocked axis, not a multiple "
+               f"of block_size {attr(node, 'block_size', 0)}; TensorRT's blocked DequantizeLinear takes whole blocks "
+               "(pad the weight with zero rows and its MatMul's input with zero columns)")
     n = int(np.prod(weight.dims))
     if weight.data_location != TensorProto.EXTERNAL and len(weight.raw_data) != (n + 1) // 2:
         yield f"{node.name}: INT4 weight {node.input[0]!r} is not stored packed (two values per byte in raw_data)"
