@@ -42,9 +42,9 @@ def padded_k(k: int, block_size: int) -> int:
     return -(-k // block_size) * block_size
 
 
-def pad_rows(a: np.ndarray, rows: int) -> np.ndarray:
-    """``a`` with zero rows appended (axis 0) up to ``rows``."""
-    return a if a.shape[0] == rows else np.pad(a, [(0, rows - a.shape[0])] + [(0, 0)] * (a.ndim - 1))
+def pad_to(a: np.ndarray, size: int, axes=(0,)) -> np.ndarray:
+    """``a`` with zeros appended along ``axes`` up to ``size`` on each."""
+    return np.pad(a, [(0, size - a.shape[i] if i in axes else 0) for i in range(a.ndim)])
 
 
 def int4_blocked(w: np.ndarray, block_size: int, clip: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -58,7 +58,7 @@ def int4_blocked(w: np.ndarray, block_size: int, clip: np.ndarray | None = None)
     """
     k, n = w.shape
     kp = padded_k(k, block_size)
-    blocks = pad_rows(w.astype(np.float32), kp).reshape(kp // block_size, block_size, n)
+    blocks = pad_to(w.astype(np.float32), kp).reshape(kp // block_size, block_size, n)
     amax = np.abs(blocks).max(axis=1)
     scale = _scale(amax if clip is None else amax * clip, INT4_MAX, w.dtype)
     q = np.clip(np.rint(blocks / scale.astype(np.float32)[:, None, :]), INT4_MIN, INT4_MAX)
@@ -145,7 +145,7 @@ def awq_clip_search(x: np.ndarray, w: np.ndarray, block_size: int,
     Returns (clip [K'/B, N], loss with the clip, loss without) where loss is that sum of per-block errors.
     """
     kp = padded_k(w.shape[0], block_size)  # a ragged last block: zero inputs meet zero weights
-    x, w = pad_rows(x.astype(np.float32).T, kp).T, pad_rows(w, kp)
+    x, w = pad_to(x.astype(np.float32), kp, axes=(1,)), pad_to(w, kp)
     k, n = w.shape
     nb = k // block_size
     xb = x.reshape(len(x), nb, block_size)
@@ -175,8 +175,8 @@ def gptq(w: np.ndarray, xtx: np.ndarray, block_size: int, *, damp: float = 0.01,
     """
     k = padded_k(w.shape[0], block_size)
     n = w.shape[1]
-    wt = pad_rows(w.astype(np.float64), k).T.copy()  # [N, K']: GPTQ's rows-are-outputs layout
-    h = pad_rows(pad_rows(np.asarray(xtx, np.float64), k).T, k).T.copy()
+    wt = pad_to(w.astype(np.float64), k).T.copy()  # [N, K']: GPTQ's rows-are-outputs layout
+    h = pad_to(np.asarray(xtx, np.float64), k, axes=(0, 1))
     dead = np.diag(h) == 0
     h[dead, dead] = 1.0
     wt[:, dead] = 0.0
