@@ -163,7 +163,7 @@ def main(argv=None):
             "trtspec int4 gptq-b128": trtspec_runner(Generator(load_engine(q4b, num_threads=args.threads)), args.max_new_tokens),
             "trtspec float32 + self-draft k4": trtspec_runner(Generator(
                 load_engine(fp, num_threads=args.threads), load_engine(sd, num_threads=args.threads),
-                num_draft_tokens=4), args.max_new_tokens),
+                num_draft_tokens=4, k_policy="fixed"), args.max_new_tokens),
         }
         for precision, block, name in (("fp32", None, "fp32"), ("int4", None, "int4"), ("int4", 128, "int4 b128")):
             path = og_build(hf, work / f"og-{name.replace(' ', '-')}", precision, args.threads, block)
@@ -195,23 +195,25 @@ def main(argv=None):
         sd_b128 = self_draft(t_fp)  # the default: int4-gptq, block 128 here
         load = {p: load_engine(p, num_threads=args.threads) for p in (t_fp, t_q4, t_q4b, d_fp, d_q4, d_q4b, sd, sd_b128)}
         configs = {}
+
+        def fixed(target, draft=None, k=4, **options):  # every speculative row is labelled with its fixed k
+            return Generator(load[target], draft and load[draft], num_draft_tokens=k, k_policy="fixed", **options)
+
         for tname, target in (("float32", t_fp), ("int4", t_q4)):
             configs[f"{tname} target"] = Generator(load[target])
             for k in (2, 3, 4):
-                configs[f"{tname} target + float32 draft k{k}"] = Generator(load[target], load[d_fp], num_draft_tokens=k)
-                configs[f"{tname} target + int4 draft k{k}"] = Generator(load[target], load[d_q4], num_draft_tokens=k)
+                configs[f"{tname} target + float32 draft k{k}"] = fixed(target, d_fp, k)
+                configs[f"{tname} target + int4 draft k{k}"] = fixed(target, d_q4, k)
                 if tname == "float32":
-                    configs[f"{tname} target + self-draft awq-b32 k{k}"] = Generator(load[target], load[sd], num_draft_tokens=k)
+                    configs[f"{tname} target + self-draft awq-b32 k{k}"] = fixed(target, sd, k)
                     if k > 2:  # the default self-draft
-                        configs[f"{tname} target + self-draft gptq-b128 k{k}"] = Generator(load[target], load[sd_b128],
-                                                                                        num_draft_tokens=k)
-            configs[f"{tname} target + prompt lookup k4"] = Generator(load[target], drafter="prompt_lookup",
-                                                                      num_draft_tokens=4)
+                        configs[f"{tname} target + self-draft gptq-b128 k{k}"] = fixed(target, sd_b128, k)
+            configs[f"{tname} target + prompt lookup k4"] = fixed(target, drafter="prompt_lookup")
         # both at trtspec's default INT4 block (128)
         configs["int4-gptq-b128 target"] = Generator(load[t_q4b])
         for k in (2, 3, 4):
-            configs[f"int4-gptq-b128 target + int4-gptq-b128 draft k{k}"] = Generator(load[t_q4b], load[d_q4b], num_draft_tokens=k)
-        configs["int4-gptq-b128 target + prompt lookup k4"] = Generator(load[t_q4b], drafter="prompt_lookup", num_draft_tokens=4)
+            configs[f"int4-gptq-b128 target + int4-gptq-b128 draft k{k}"] = fixed(t_q4b, d_q4b, k)
+        configs["int4-gptq-b128 target + prompt lookup k4"] = fixed(t_q4b, drafter="prompt_lookup")
         inside = {n: [0, 0.0] for n in configs}  # tokens, seconds inside engine calls (the scheduler's own clocks)
 
         def runner(name, g):

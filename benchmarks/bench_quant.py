@@ -65,7 +65,7 @@ def fidelity(reference: list[np.ndarray], logps: list[np.ndarray]) -> tuple[floa
 def acceptance(target, draft, prompts, new_tokens: int) -> dict:
     from trtspec import Generator
 
-    out = Generator(target, draft, num_draft_tokens=4).generate(prompts, max_new_tokens=new_tokens)
+    out = Generator(target, draft, num_draft_tokens=4, k_policy="fixed").generate(prompts, max_new_tokens=new_tokens)
     s = out.stats
     return {"alpha": s.token_acceptance, "accepted_per_proposed": s.acceptance_rate,
             "tokens_per_target_call": s.mean_tokens_per_target_call, "tokens": [r.token_ids for r in out]}

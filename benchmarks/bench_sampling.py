@@ -31,7 +31,7 @@ def main():
     runs = {c: [] for c in configs}
     for rep in range(3):
         for mode, k in configs:
-            gen = Generator(target, draft, num_draft_tokens=k, sampling=mode)
+            gen = Generator(target, draft, num_draft_tokens=k, k_policy="fixed", sampling=mode)
             t0, tokens, accepted, proposed = time.perf_counter(), 0, 0, 0
             for i, p in enumerate(prompts):
                 r = gen.generate(p, max_new_tokens=96, temperature=0.8, seed=1000 * rep + i)

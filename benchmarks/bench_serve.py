@@ -1,9 +1,12 @@
 """Serving under load, in one run: `trtspec serve` plain, `trtspec serve` with speculation (load-aware k),
 and HF transformers generate() behind a minimal FastAPI endpoint (benchmarks/hf_server.py), each in its own
 process on 127.0.0.1, driven by `trtspec bench-serve`'s load generator (streaming, asyncio + httpx):
-closed-loop concurrency 1, 2, 4, 8, 16 and open-loop Poisson arrivals, on the bundled pair.
+closed-loop concurrency 1, 2, 4, 8, 16 and open-loop Poisson arrivals, on the bundled pair. Every server is
+started first; then each load level runs against every server in turn (the order rotating per level), so the
+ratios between servers come from the same minutes of a shared machine.
 
     python benchmarks/bench_serve.py [--requests 24] [--max-tokens 128] [--rates 1 2 4]
+    python benchmarks/bench_serve.py --baseline /path/to/other/checkout --no-hf   # this code vs another checkout
 
 Writes benchmarks/results/serve.{json,md,png}.
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -35,23 +39,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def servers():
+def servers(baseline: Path | None = None, hf: bool = True) -> dict[str, tuple[list[str], dict | None]]:
+    """name -> (command, environment or None); ``baseline``: also trtspec's two servers from that checkout."""
     engines()  # builds the max-batch-8 engines if missing
     target = ROOT / "engines" / "stdlib-target-b8-s512"
     draft = ROOT / "engines" / "stdlib-draft-b8-s512"
     # prefix cache off: the load levels send the same prompts again, and reusing them would flatter trtspec
     trtspec = [sys.executable, "-m", "trtspec", "serve", "--target", str(target), "--threads", "2",
                "--served-model-name", "stdlib", "--prefix-cache-mb", "0"]
-    return {
-        "trtspec serve (plain)": trtspec + ["--drafter", "none"],
-        "trtspec serve (draft, load-aware k)": trtspec + ["--draft", str(draft), "-k", "4"],
-        "HF generate() + FastAPI": [sys.executable, str(ROOT / "benchmarks" / "hf_server.py"), "--model",
-                                    str(ROOT / "models" / "stdlib-target"), "--name", "stdlib", "--threads", "2"],
-    }
+    out = {"trtspec serve (plain)": (trtspec + ["--drafter", "none"], None),
+           "trtspec serve (draft, load-aware k)": (trtspec + ["--draft", str(draft), "-k", "4"], None)}
+    if baseline is not None:
+        env = {**os.environ, "PYTHONPATH": str(baseline)}
+        out.update({f"{name}, baseline": (cmd, env) for name, (cmd, _) in list(out.items())})
+    if hf:
+        out["HF generate() + FastAPI"] = ([sys.executable, str(ROOT / "benchmarks" / "hf_server.py"), "--model",
+                                          str(ROOT / "models" / "stdlib-target"), "--name", "stdlib", "--threads", "2"],
+                                         None)
+    return out
 
 
-def start(cmd, port):
-    proc = subprocess.Popen(cmd + ["--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+def start(cmd, port, env=None):
+    proc = subprocess.Popen(cmd + ["--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env=env)
     deadline = time.time() + 300
     while time.time() < deadline:
         if proc.poll() is not None:
@@ -112,38 +122,47 @@ def main(argv=None):
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--rates", type=float, nargs="*", default=[1.0, 2.0, 4.0])
     ap.add_argument("--out", type=Path, default=RESULTS / "serve")
+    ap.add_argument("--baseline", type=Path, help="also serve with this other trtspec checkout (same engines)")
+    ap.add_argument("--no-hf", action="store_true", help="leave out the HF generate() server")
     args = ap.parse_args(argv)
+    if args.baseline is not None and not (args.baseline / "trtspec" / "__init__.py").is_file():
+        ap.error("--baseline must be a trtspec checkout (a directory with trtspec/__init__.py)")
     prompts = load_prompts(ROOT / "models" / "heldout.json")
     res = {"requests": args.requests, "max_tokens": args.max_tokens, "servers": {}, "texts": {}}
-    for name, cmd in servers().items():
-        port = free_port()
-        proc = start(cmd, port)
-        url = f"http://127.0.0.1:{port}/v1"
-        rows = []
-        try:
-            for kind, value in [("concurrency", c) for c in args.concurrency] + [("rate", r) for r in args.rates]:
-                records, wall = asyncio.run(run_load(url, "stdlib", prompts, max_tokens=args.max_tokens,
+    procs, urls = [], {}
+    try:
+        for name, (cmd, env) in servers(args.baseline, hf=not args.no_hf).items():
+            port = free_port()
+            procs.append(start(cmd, port, env))
+            urls[name] = f"http://127.0.0.1:{port}/v1"
+            res["servers"][name] = []
+        levels = [("concurrency", c) for c in args.concurrency] + [("rate", r) for r in args.rates]
+        for i, (kind, value) in enumerate(levels):
+            names = list(urls)
+            for name in names[i % len(names) :] + names[: i % len(names)]:
+                records, wall = asyncio.run(run_load(urls[name], "stdlib", prompts, max_tokens=args.max_tokens,
                                                      num_requests=args.requests,
                                                      **({kind: int(value)} if kind == "concurrency" else {kind: value})))
-                rows.append({kind: value, **summarize(records, wall)})
+                res["servers"][name].append({kind: value, **summarize(records, wall)})
                 res["texts"].setdefault(name, [r.text for r in records])
-                print(f"{name:38s} {kind} {value:>4}: {rows[-1]['output_tok_s']:7.1f} tok/s TTFT p50 "
-                      f"{rows[-1]['ttft_p50_ms'] or 0:.0f} ms errors {rows[-1]['errors']}", flush=True)
-        finally:
+                row = res["servers"][name][-1]
+                print(f"{name:48s} {kind} {value:>4}: {row['output_tok_s']:7.1f} tok/s TTFT p50 "
+                      f"{row['ttft_p50_ms'] or 0:.0f} ms errors {row['errors']}", flush=True)
+    finally:
+        for proc in procs:
             proc.terminate()
+        for proc in procs:
             proc.wait(60)
-        res["servers"][name] = rows
-    names = list(res["texts"])
-    res["trtspec_outputs_identical"] = res["texts"][names[0]] == res["texts"][names[1]]
-    res["hf_outputs_identical_to_trtspec"] = res["texts"][names[0]] == res["texts"][names[2]]
+    texts = res["texts"]
+    first = texts["trtspec serve (plain)"]
+    res["outputs_identical_to_trtspec_plain"] = {name: t == first for name, t in texts.items() if t is not first}
     del res["texts"]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(res, indent=1))
     args.out.with_suffix(".md").write_text(markdown(res))
     plot(res, args.out.with_suffix(".png"))
     print(markdown(res))
-    print(f"identical greedy text, plain vs speculative server: {res['trtspec_outputs_identical']}; "
-          f"HF server vs trtspec: {res['hf_outputs_identical_to_trtspec']}")
+    print(f"identical greedy text to trtspec serve (plain): {res['outputs_identical_to_trtspec_plain']}")
 
 
 if __name__ == "__main__":

@@ -71,7 +71,7 @@ def main():
             if args.int4:
                 sample["int4 decode ms"] = decode_ms(load_engine(args.int4, num_threads=args.threads))
             for label, gen in (("target-only tok/s", Generator(target)),
-                               ("draft k=4 tok/s", Generator(target, draft, num_draft_tokens=4))):
+                               ("draft k=4 tok/s", Generator(target, draft, num_draft_tokens=4, k_policy="fixed"))):
                 gen.generate(texts[0], max_new_tokens=8)
                 t = time.perf_counter()
                 out = gen.generate(texts, max_new_tokens=128)

@@ -35,7 +35,7 @@ def main():
         row = {"target_decode_ms": measure_call_costs(target, [1])[1] * 1e3,
                "draft_decode_ms": measure_call_costs(draft, [1])[1] * 1e3}
         outputs = {}
-        for config, gen in (("target_only", Generator(target)), ("speculative_k2", Generator(target, draft, num_draft_tokens=2))):
+        for config, gen in (("target_only", Generator(target)), ("speculative_k2", Generator(target, draft, num_draft_tokens=2, k_policy="fixed"))):
             gen.generate(prompts[0], max_new_tokens=8)  # compile/warm every shape first
             rates = []
             for _ in range(3):

@@ -70,7 +70,7 @@ def speculative(target_dir, draft_dir, k: int):
 
     prompts = ["def add(a, b):", "The quick brown fox"]
     plain = Generator(target_dir).generate(prompts, max_new_tokens=64)
-    spec = Generator(target_dir, draft_dir, num_draft_tokens=k).generate(prompts, max_new_tokens=64)
+    spec = Generator(target_dir, draft_dir, num_draft_tokens=k, k_policy="fixed").generate(prompts, max_new_tokens=64)
     same = all(p.token_ids == s.token_ids for p, s in zip(plain, spec))
     s = spec.stats
     print(f"plain:       {plain.stats.tokens_per_s:8.1f} tok/s, {plain.stats.target_calls} target calls")

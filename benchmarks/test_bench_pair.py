@@ -28,11 +28,11 @@ def test_trtspec(benchmark, pair, prompts, config):
     if config == "target_only":
         gen = Generator(target)
     elif config == "prompt_lookup":
-        gen = Generator(target, drafter="prompt_lookup", num_draft_tokens=4)
+        gen = Generator(target, drafter="prompt_lookup", num_draft_tokens=4, k_policy="fixed")
     elif config == "adaptive":
-        gen = Generator(target, draft, num_draft_tokens=8, adaptive_k=True)
+        gen = Generator(target, draft, num_draft_tokens=8, k_policy="load-aware")
     else:
-        gen = Generator(target, draft, num_draft_tokens=int(config[1:]))
+        gen = Generator(target, draft, num_draft_tokens=int(config[1:]), k_policy="fixed")
     reference = [r.token_ids for r in Generator(target).generate(prompts, max_new_tokens=NEW)]
 
     def run():

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import socket
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -113,7 +115,7 @@ class WrappedEngine:
         return self.engine.forward(ids, pos, first_row=first_row)
 
 
-__all__ = ["ARCHITECTURES", "MAX_BATCH", "S_MAX", "WrappedEngine", "hf_logits", "random_ids"]
+__all__ = ["ARCHITECTURES", "MAX_BATCH", "S_MAX", "Server", "WrappedEngine", "hf_logits", "random_ids"]
 
 
 @pytest.fixture(scope="session")
@@ -155,6 +157,36 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class Server:
+    """uvicorn in a thread on a free port of 127.0.0.1."""
+
+    def __init__(self, app):
+        import uvicorn
+
+        self.app = app
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.time() + 60
+        while not self.server.started:
+            assert time.time() < deadline and self.thread.is_alive(), "server did not start"
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(30)
+
+    def client(self, **kw):
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "unused"), max_retries=0, **kw)
 
 
 @pytest.fixture(scope="session")

@@ -49,7 +49,7 @@ def _in_threads(fn, n):
 def test_8_threads_sharing_one_generator_each_get_their_output_alone(target, draft, drafter):
     lengths = [48, 10, 30, 64, 5, 48, 20, 40]
     alone = [Generator(target).generate(p, max_new_tokens=n).token_ids for p, n in zip(PROMPTS, lengths)]
-    gen = Generator(target, draft, num_draft_tokens=3) if drafter == "draft" else Generator(target, drafter=drafter)
+    gen = Generator(target, draft, num_draft_tokens=3, k_policy="fixed") if drafter == "draft" else Generator(target, drafter=drafter, k_policy="fixed")
     got = _in_threads(lambda i: gen.generate(PROMPTS[i], max_new_tokens=lengths[i]).token_ids, 8)
     assert got == alone
 
@@ -57,21 +57,21 @@ def test_8_threads_sharing_one_generator_each_get_their_output_alone(target, dra
 def test_8_threads_seeded_sampling_each_get_their_output_alone(target, draft):
     params = [{"max_new_tokens": 32, "temperature": 0.7 + 0.1 * i, "top_p": 0.95, "seed": i} for i in range(8)]
     alone = [Generator(target).generate(p, **kw).token_ids for p, kw in zip(PROMPTS, params)]
-    gen = Generator(target, draft, num_draft_tokens=4, adaptive_k=True)
+    gen = Generator(target, draft, num_draft_tokens=4, k_policy="load-aware")
     got = _in_threads(lambda i: gen.generate(PROMPTS[i], **params[i]).token_ids, 8)
     assert got == alone
 
 
 def test_8_threads_streaming_from_one_generator(target, draft):
     alone = [Generator(target).generate(p, max_new_tokens=24).text for p in PROMPTS]
-    gen = Generator(target, draft, num_draft_tokens=2)
+    gen = Generator(target, draft, num_draft_tokens=2, k_policy="fixed")
     got = _in_threads(lambda i: "".join(gen.stream(PROMPTS[i], max_new_tokens=24)), 8)
     assert got == alone
 
 
 def test_two_generators_on_the_same_engines_take_turns(target, draft):
     alone = [Generator(target).generate(p, max_new_tokens=40).token_ids for p in PROMPTS[:4]]
-    gens = [Generator(target, draft, num_draft_tokens=3), Generator(target, drafter="prompt_lookup")]
+    gens = [Generator(target, draft, num_draft_tokens=3, k_policy="fixed"), Generator(target, drafter="prompt_lookup", k_policy="fixed")]
     got = _in_threads(lambda i: [r.token_ids for r in gens[i % 2].generate(PROMPTS[:4], max_new_tokens=40)], 4)
     assert all(g == alone for g in got)
 

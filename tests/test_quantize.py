@@ -362,7 +362,7 @@ def test_onnxruntime_engine_runs_int4_in_matmul_nbits_and_stays_close_to_the_qdq
 def test_speculative_greedy_with_an_int4_draft_equals_target_greedy(exported, quantized):
     prompts = ["def add(a, b):", "The quick brown fox"]
     target = Generator(exported("llama"))
-    spec = Generator(exported("llama"), quantized("llama", "int4-rtn"), num_draft_tokens=3)
+    spec = Generator(exported("llama"), quantized("llama", "int4-rtn"), num_draft_tokens=3, k_policy="fixed")
     expected = [r.token_ids for r in target.generate(prompts, max_new_tokens=24)]
     out = spec.generate(prompts, max_new_tokens=24)
     assert [r.token_ids for r in out] == expected
@@ -686,7 +686,7 @@ def test_self_draft_is_built_once_and_greedy_equals_the_target(exported, tmp_pat
     target = build(exported("llama"), tmp_path / "target")
     prompts = ["def add(a, b):", "The quick brown fox"]
     expected = [r.token_ids for r in Generator(target).generate(prompts, max_new_tokens=24)]
-    spec = Generator(target, draft="self", num_draft_tokens=3)
+    spec = Generator(target, draft="self", num_draft_tokens=3, k_policy="fixed")
     out = spec.generate(prompts, max_new_tokens=24)
     assert [r.token_ids for r in out] == expected
     assert out.stats.accepted > 0

@@ -95,8 +95,8 @@ def test_seeded_sampling_equals_target_only_sampling_whatever_the_drafter(target
     params = {"max_new_tokens": 48, "temperature": 1.0, "top_k": 20, "seed": 5}
     prompt = make_prompt(3, 12)
     want = alone(prompt, **params).token_ids
-    for gen in (Generator(target, draft, num_draft_tokens=3), Generator(target, drafter="prompt_lookup"),
-                Generator(target, draft, num_draft_tokens=6, adaptive_k=True)):
+    for gen in (Generator(target, draft, num_draft_tokens=3, k_policy="fixed"), Generator(target, drafter="prompt_lookup", k_policy="fixed"),
+                Generator(target, draft, num_draft_tokens=6, k_policy="load-aware")):
         assert gen.generate(prompt, **params).token_ids == want
     other = Generator(target).generate(prompt, **{**params, "seed": 6}).token_ids
     assert other != want
@@ -152,8 +152,8 @@ def test_a_lone_greedy_draft_chain_in_the_engines_loop_proposes_what_the_generic
     calls = []
     wrapped = WrappedEngine(draft, lambda ids, pos, row: calls.append(ids.shape))
     prompt = make_prompt(8, 6)
-    fast = Generator(target, draft, num_draft_tokens=4).generate([prompt], max_new_tokens=80)
-    slow = Generator(target, wrapped, num_draft_tokens=4).generate([prompt], max_new_tokens=80)
+    fast = Generator(target, draft, num_draft_tokens=4, k_policy="fixed").generate([prompt], max_new_tokens=80)
+    slow = Generator(target, wrapped, num_draft_tokens=4, k_policy="fixed").generate([prompt], max_new_tokens=80)
     assert fast[0].token_ids == slow[0].token_ids == alone(prompt, max_new_tokens=80).token_ids
     for name in ("proposed", "accepted", "rounds", "target_calls", "accepted_histogram", "draft_calls"):
         assert getattr(fast.stats, name) == getattr(slow.stats, name), name
@@ -161,7 +161,7 @@ def test_a_lone_greedy_draft_chain_in_the_engines_loop_proposes_what_the_generic
 
 
 def test_a_lone_greedy_row_with_a_draft_runs_its_rounds_in_a_loop_of_its_own(target, draft, alone):
-    # one greedy row, a draft, k fixed: draft chain, verify and accept loop in _speculate_alone; the batch path
+    # one greedy row, a draft, k fixed: the round repeats in the lone row's loop (_decode_round); the batch path
     # (lone_row_loops off) makes the same calls, so tokens, acceptance and every counter are equal, also where
     # the rounds shrink k near max_new_tokens and near the cache's capacity (a long prompt, finish "length")
     accepted = proposed = 0
@@ -169,7 +169,7 @@ def test_a_lone_greedy_row_with_a_draft_runs_its_rounds_in_a_loop_of_its_own(tar
                            (make_prompt(9, 45), {"max_new_tokens": 400})):
         results, stats = [], []
         for loops in (True, False):
-            gen = Generator(target, draft, num_draft_tokens=4)
+            gen = Generator(target, draft, num_draft_tokens=4, k_policy="fixed")
             gen.scheduler.lone_row_loops = loops
             results.append(gen.generate([prompt], **params))
             stats.append(gen.scheduler.stats())
@@ -192,7 +192,7 @@ def test_the_lone_row_loop_feeds_the_load_aware_policy_what_the_batch_path_does(
     # and the batch path make the same choices from the same inputs and report the same rounds and call shapes
     prompt, logs = make_prompt(5, 9), []
     for loops in (True, False):
-        gen = Generator(target, draft, num_draft_tokens=4, adaptive_k=True)
+        gen = Generator(target, draft, num_draft_tokens=4, k_policy="load-aware")
         gen.scheduler.lone_row_loops = loops
         policy, log, script = gen.scheduler.policy, [], itertools.cycle([0, 3, 1, 4, 0, 0, 2])
         policy.choose = lambda b, caps: min(next(script), int(caps.max()))

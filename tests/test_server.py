@@ -15,9 +15,8 @@ import httpx
 import numpy as np
 import openai
 import pytest
-import uvicorn
 
-from conftest import ARCH, WrappedEngine, free_port
+from conftest import ARCH, Server, WrappedEngine, free_port
 from trtspec import Generator, Scheduler, load_engine
 from trtspec.engines.base import lease
 from trtspec.server import create_app
@@ -33,32 +32,6 @@ def target(chat_export):
 @pytest.fixture(scope="module")
 def draft(perturbed_export):
     return load_engine(perturbed_export(ARCH, 0.3, max_seq_len=128, max_batch=4))
-
-
-class Server:
-    """uvicorn in a thread on a free port of 127.0.0.1."""
-
-    def __init__(self, app):
-        self.app = app
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        deadline = time.time() + 60
-        while not self.server.started:
-            assert time.time() < deadline and self.thread.is_alive(), "server did not start"
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(30)
-
-    def client(self, **kw):
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "unused"), max_retries=0, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -116,8 +89,11 @@ def test_stop_strings_and_seeds(server, alone):
     full = alone(PROMPTS[0], max_new_tokens=20).text
     stop = full[5:8]
     out = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=20, temperature=0, stop=[stop])
-    assert out.choices[0].text == alone(PROMPTS[0], max_new_tokens=20, stop=stop).text
-    assert out.choices[0].finish_reason == "stop" and out.choices[0].text.endswith(stop)
+    assert out.choices[0].text == alone(PROMPTS[0], max_new_tokens=20, stop=stop).text == full[: full.find(stop)]
+    assert out.choices[0].finish_reason == "stop"
+    kept = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=20, temperature=0, stop=[stop],
+                                     extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].text == full[: full.find(stop) + len(stop)] and kept.choices[0].finish_reason == "stop"
     kw = dict(model="tiny", prompt=PROMPTS[3], max_tokens=24, temperature=0.9, top_p=0.9, seed=7)
     a, b = client.completions.create(**kw), client.completions.create(**kw)
     c = client.completions.create(**{**kw, "seed": 8})

@@ -118,7 +118,8 @@ def test_torch_target_alone_equals_onnxruntime_target(torch_engine, reference):
 
 def test_torch_target_with_onnxruntime_draft_equals_target_greedy(torch_engine, perturbed_export, reference):
     draft = load_engine(perturbed_export("llama", 0.3))
-    out = Generator(torch_engine("llama", "eager"), draft, num_draft_tokens=3).generate(PROMPTS, max_new_tokens=NEW_TOKENS)
+    gen = Generator(torch_engine("llama", "eager"), draft, num_draft_tokens=3, k_policy="fixed")
+    out = gen.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
     assert [r.token_ids for r in out] == reference
     assert 0 < out.stats.accepted < out.stats.proposed  # multi-token verify writes and rollbacks both happened
 
@@ -130,7 +131,7 @@ def torch_draft(perturbed_export):
 
 def test_onnxruntime_target_with_torch_draft_from_an_export_equals_target_greedy(ort_llama, torch_draft, reference):
     assert (torch_draft.max_seq_len, torch_draft.max_batch) == (S_MAX, MAX_BATCH)  # the export's own capacity
-    out = Generator(ort_llama, torch_draft, num_draft_tokens=3).generate(PROMPTS, max_new_tokens=NEW_TOKENS)
+    out = Generator(ort_llama, torch_draft, num_draft_tokens=3, k_policy="fixed").generate(PROMPTS, max_new_tokens=NEW_TOKENS)
     assert [r.token_ids for r in out] == reference
     assert 0 < out.stats.accepted < out.stats.proposed
 

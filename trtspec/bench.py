@@ -6,9 +6,9 @@ Configurations (each over every prompt, batch 1, ``max_new_tokens`` each, repeat
   hf_prompt_lookup HF prompt lookup decoding (greedy only)
   trtspec          trtspec target-only (drafter none)
   trtspec_k{k}     trtspec speculative with the draft model, fixed k
-  trtspec_adaptive trtspec speculative with adaptive k (up to max k)
-  trtspec_lookup   trtspec prompt lookup
-  trtspec_self_k4  trtspec speculative with the target's own INT4 build as the draft (`--draft self`)
+  trtspec_adaptive trtspec speculative with load-aware k (k_policy "load-aware", up to max k)
+  trtspec_lookup   trtspec prompt lookup, fixed k = 4
+  trtspec_self_k4  trtspec speculative with the target's own INT4 build as the draft (`--draft self`), fixed k
 Reported: median tokens/s, speedups vs hf and vs trtspec measured in the same run, acceptance,
 tokens per target call, the theoretical speedup E / (k c + v) from measured alpha and call costs,
 and whether greedy outputs equal HF's and trtspec target-only's.
@@ -178,11 +178,11 @@ def run_bench(
                     ("hf_prompt_lookup", None, lambda: _hf_runner(hf_target, hf_draft, threads, "prompt_lookup", 4))]
     configs.append(("trtspec", 0, lambda: _trtspec_runner(Generator(target_engine))))
     for k in ks:
-        configs.append((f"trtspec_k{k}", k, lambda k=k: _trtspec_runner(Generator(target_engine, draft_engine, num_draft_tokens=k))))
+        configs.append((f"trtspec_k{k}", k, lambda k=k: _trtspec_runner(Generator(target_engine, draft_engine, num_draft_tokens=k, k_policy="fixed"))))
     configs.append(("trtspec_adaptive", None, lambda: _trtspec_runner(
-        Generator(target_engine, draft_engine, num_draft_tokens=max(ks), adaptive_k=True))))
+        Generator(target_engine, draft_engine, num_draft_tokens=max(ks), k_policy="load-aware"))))
     configs.append(("trtspec_lookup", 4, lambda: _trtspec_runner(
-        Generator(target_engine, drafter="prompt_lookup", num_draft_tokens=4))))
+        Generator(target_engine, drafter="prompt_lookup", num_draft_tokens=4, k_policy="fixed"))))
     if self_draft:  # the target's own INT4 build as its draft (`--draft self`), built once beside the target
         from .runtime.self_draft import self_draft as build_self_draft
 
@@ -193,7 +193,7 @@ def run_bench(
         else:
             k_self = 4 if 4 in ks else max(ks)
             configs.append((f"trtspec_self_k{k_self}", k_self, lambda: _trtspec_runner(
-                Generator(target_engine, self_engine, num_draft_tokens=k_self))))
+                Generator(target_engine, self_engine, num_draft_tokens=k_self, k_policy="fixed"))))
 
     results = {"settings": {"prompts": len(prompts), "max_new_tokens": max_new_tokens, "repeats": repeats,
                             "threads": threads, "ks": ks},

@@ -117,14 +117,27 @@ def _add_build(sub):
     p.set_defaults(run=run)
 
 
-def _add_generate(sub):
-    p = sub.add_parser("generate", help="generate text, optionally with speculative decoding")
+K_POLICIES = ("load-aware", "fixed")  # the scheduler's (runtime/scheduler.py), without importing it here
+
+
+def _add_engine_arguments(p) -> None:
+    """The engine and drafting arguments that `generate` and `serve` share."""
     p.add_argument("--target", required=True, help="engine (or export) directory of the target model")
     p.add_argument("--draft", help="engine (or export) directory of the draft model, or `self`: the target's own "
-                                        "INT4 build (made once from its export, beside the target engine)")
+                                   "INT4 build (made once from its export, beside the target engine)")
     p.add_argument("--drafter", choices=["draft", "prompt_lookup", "none"], help="default: draft if --draft, else none")
-    p.add_argument("-k", "--num-draft-tokens", type=_positive_int, default=4, help="tokens drafted per round (default 4)")
-    p.add_argument("--adaptive-k", action="store_true", help="choose k each round, up to -k, from measured costs")
+    p.add_argument("-k", "--num-draft-tokens", type=_positive_int, default=4,
+                   help="most tokens drafted per round (default 4); with --k-policy load-aware fewer, down to 0, "
+                        "when drafting does not pay")
+    p.add_argument("--k-policy", choices=K_POLICIES, default="load-aware",
+                   help="load-aware (default): choose k each round, up to -k, from the measured costs at the current "
+                        "batch size; fixed: draft -k tokens every round")
+    p.add_argument("--threads", type=_positive_int, help="onnxruntime intra-op threads (default: all cores)")
+
+
+def _add_generate(sub):
+    p = sub.add_parser("generate", help="generate text, optionally with speculative decoding")
+    _add_engine_arguments(p)
     p.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch")
     p.add_argument("--max-new-tokens", type=_positive_int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
@@ -132,7 +145,6 @@ def _add_generate(sub):
     p.add_argument("--top-p", type=float)
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", help="stop string; repeatable")
-    p.add_argument("--threads", type=_positive_int, help="onnxruntime intra-op threads (default: all cores)")
     p.add_argument("--json", action="store_true", help="print results and statistics as JSON")
     p.add_argument("--backend", choices=["auto", "torch"], default="auto",
                    help="auto (default): run the engines the directories hold; torch: compile the HF model or export "
@@ -151,7 +163,7 @@ def _add_generate(sub):
             draft,
             num_draft_tokens=args.num_draft_tokens,
             drafter=args.drafter,
-            adaptive_k=args.adaptive_k,
+            k_policy=args.k_policy,
             num_threads=args.threads,
         )
         options = dict(
@@ -201,7 +213,7 @@ def _add_bench(sub):
     p.add_argument("--num-prompts", type=_positive_int, help="use the first N prompts (default: all)")
     p.add_argument("--max-new-tokens", type=_positive_int, default=128)
     p.add_argument("--repeats", type=_positive_int, default=3, help="runs per configuration; the median is reported")
-    p.add_argument("--max-k", type=_positive_int, default=8, help="measure k = 1..max-k and adaptive k (default 8)")
+    p.add_argument("--max-k", type=_positive_int, default=8, help="measure fixed k = 1..max-k and load-aware k up to max-k (default 8)")
     p.add_argument("--temperatures", type=lambda t: [float(v) for v in t.split(",")], default=[0.0, 0.8])
     p.add_argument("--threads", type=_positive_int, default=2)
     p.add_argument("--no-hf", action="store_true", help="skip the HF baselines (they are the slow part)")
@@ -233,13 +245,7 @@ def _add_bench(sub):
 
 def _add_serve(sub):
     p = sub.add_parser("serve", help="serve the engines over OpenAI's HTTP API (completions, chat, streaming)")
-    p.add_argument("--target", required=True, help="engine (or export) directory of the target model")
-    p.add_argument("--draft", help="engine (or export) directory of the draft model, or `self`: the target's own "
-                                        "INT4 build (made once from its export, beside the target engine)")
-    p.add_argument("--drafter", choices=["draft", "prompt_lookup", "none"], help="default: draft if --draft, else none")
-    p.add_argument("-k", "--num-draft-tokens", type=_positive_int, default=4,
-                   help="most tokens drafted per round (default 4; load-aware k picks fewer, down to 0, under load)")
-    p.add_argument("--k-policy", choices=["load-aware", "fixed"], default="load-aware")
+    _add_engine_arguments(p)
     p.add_argument("--max-batch", type=_positive_int, help="engine rows to use (default: all the engines have)")
     p.add_argument("--max-queue", type=_positive_int, help="waiting requests beyond which new ones get 429")
     p.add_argument("--prefill-chunk", type=_positive_int, default=64, help="prompt tokens read per row per round")
@@ -250,7 +256,6 @@ def _add_serve(sub):
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (default: no key)")
     p.add_argument("--served-model-name", help="the model name clients send (default: the target directory's name)")
-    p.add_argument("--threads", type=_positive_int, help="onnxruntime intra-op threads (default: all cores)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish requests on SIGTERM")
     p.add_argument("--log-prompts", action="store_true", help="log prompt text with each request (off by default)")
     ray = p.add_argument_group("Ray Serve (pip install 'trtspec[ray]')")
@@ -437,9 +442,22 @@ def _print_stats(stats, finish_reason):
 CHATTY_LOGGERS = ("torch.onnx", "torch._dynamo", "torch.export", "onnxscript", "onnx_ir", "transformers", "huggingface_hub")
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to sys.stderr as it is at each message (a redirect or a test's capture set later), not as it was
+    when logging was configured: a handler holding a replaced, closed stream fails on every message."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
 def _configure_logging(verbose: bool) -> None:
     """trtspec's own progress at INFO; everything else only from WARNING, and the chatty ones only with -v."""
-    handler = logging.StreamHandler()
+    handler = _StderrHandler()
     handler.setFormatter(logging.Formatter("trtspec: %(message)s" if not verbose else "%(name)s: %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
@@ -457,9 +475,8 @@ def _configure_logging(verbose: bool) -> None:
             pass
 
 
-def main(argv=None) -> int:
-    from .errors import TrtspecError
-
+def build_parser() -> argparse.ArgumentParser:
+    """The `trtspec` argument parser, every subcommand included (parsing runs nothing)."""
     parser = argparse.ArgumentParser(prog="trtspec", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -472,7 +489,13 @@ def main(argv=None) -> int:
     _add_serve(sub)
     _add_bench_serve(sub)
     _add_distill(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    from .errors import TrtspecError
+
+    args = build_parser().parse_args(argv)
     _configure_logging(args.verbose)
     try:
         return args.run(args) or 0

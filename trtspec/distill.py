@@ -224,7 +224,7 @@ def measure_acceptance(target_dir: Path, draft_dir: Path, prompts: list[str], *,
         finally:
             for q, level in zip(quiet, levels):
                 q.setLevel(level)
-        gen = Generator(engines["target"], engines["draft"], num_draft_tokens=k, num_threads=threads)
+        gen = Generator(engines["target"], engines["draft"], num_draft_tokens=k, k_policy="fixed", num_threads=threads)
         try:
             out = gen.generate(prompts, max_new_tokens=max_new_tokens, temperature=0.0)
         finally:

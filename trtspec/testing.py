@@ -18,8 +18,8 @@ _CORPUS = [
 ARCHITECTURES = ("llama", "llama-gqa-rope3", "mistral", "qwen2", "qwen3", "gpt2", "gpt2-untied")
 
 
-def make_tokenizer(vocab_size: int = 320):
-    """A byte-level BPE tokenizer with <s>, </s> and <pad>, trained on a built-in snippet."""
+def make_tokenizer(vocab_size: int = 320, corpus: list[str] | None = None):
+    """A byte-level BPE tokenizer with <s>, </s> and <pad>, trained on a built-in snippet (or ``corpus``)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -32,7 +32,7 @@ def make_tokenizer(vocab_size: int = 320):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_CORPUS * 4, trainer)
+    tok.train_from_iterator((corpus or _CORPUS) * 4, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
 
 

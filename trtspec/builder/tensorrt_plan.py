@@ -14,11 +14,11 @@ static T, so the engine can capture one CUDA graph per (profile, B).
 
 from __future__ import annotations
 
-from ..errors import CapacityError
+from ..engines.profiles import is_static, select_profile  # noqa: F401  (re-exported: the plan and its lookup)
 
 # The KV cache dtypes TensorRT's KVCacheUpdate layer takes (the TensorScatter import); bytes per element.
 CACHE_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-# Default verify sizes: k = 1..8 drafted tokens, so --adaptive-k has room to choose.
+# Default verify sizes: k = 1..8 drafted tokens, so --k-policy load-aware has room to choose.
 DEFAULT_VERIFY_TOKENS = tuple(range(2, 10))
 
 
@@ -108,25 +108,3 @@ def buffer_sizes(model: dict, max_batch: int, max_tokens: int) -> dict:
         "logits_bytes": itemsize * max_batch * max_tokens * model["vocab_size"],
         "token_buffer_elements": max_batch * max_tokens,  # input_ids and position_ids, int64 each
     }
-
-
-def select_profile(plan: dict, batch: int, tokens: int) -> int:
-    """The index of the profile (= execution context) that runs a [batch, tokens] call."""
-    if batch > plan["max_batch"]:
-        raise CapacityError(
-            f"batch of {batch} rows but the engine was built for {plan['max_batch']}; rebuild with a larger export --max-batch"
-        )
-    for index, profile in enumerate(plan["profiles"]):
-        if profile["tokens"] == tokens:
-            return index
-    if tokens <= plan["max_prefill"]:
-        return 0
-    raise CapacityError(
-        f"a call of {tokens} tokens per row exceeds the engine's prefill profile ({plan['max_prefill']} tokens) "
-        f"and matches no verify profile {plan['verify_tokens']}; rebuild with --max-prefill {tokens}"
-    )
-
-
-def is_static(profile: dict) -> bool:
-    """Decode and verify profiles have one T, so a CUDA graph per batch size replays them."""
-    return profile["tokens"] is not None

@@ -50,6 +50,14 @@ class SavedPrefix:
         self.parts = parts  # one [Hkv, n, D] block per cache buffer
         self.nbytes = sum(int(p.nbytes) for p in parts)
 
+    @property
+    def tokens(self) -> int:
+        return int(self.parts[0].shape[1])
+
+    def head(self, n: int) -> SavedPrefix:
+        """The first n slots (views, no copy)."""
+        return SavedPrefix([p[:, :n] for p in self.parts])
+
 
 class CallGuard:
     """Refuses a second simultaneous call on one engine instead of letting two callers mix its cache."""

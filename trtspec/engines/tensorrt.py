@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..builder.tensorrt_plan import is_static, select_profile
 from ..errors import ArtifactError, BackendUnavailableError
 from .base import CallGuard, SavedPrefix, check_step_inputs
+from .profiles import is_static, select_profile
 from .tensorrt_compat import check_plan_compatible, compute_capability, import_tensorrt
 
 

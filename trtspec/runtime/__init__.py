@@ -1,8 +1,9 @@
 """Stage 4: generation over engines (plain or speculative), with continuous batching."""
 
-from .generator import BatchStats, GenerationOutput, Generator, Stream
+from .generator import GenerationOutput, Generator, Stream
+from .request import BatchStats, GenerationResult, RequestHandle, RequestStats, SchedulerStats
 from .sampling import SamplingParams
-from .scheduler import DRAFTERS, GenerationResult, RequestHandle, RequestStats, Scheduler, SchedulerStats
+from .scheduler import DRAFTERS, Scheduler
 from .vocab import VocabularyMismatchError
 
 __all__ = [

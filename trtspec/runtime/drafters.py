@@ -1,35 +1,84 @@
 """Drafters propose up to k next tokens per sequence: a draft engine, prompt lookup, or none.
 
-A drafter sees the scheduler's token buffer ``tokens [B, cap]`` and each row's
-known token count ``n [B]`` (prompt + output so far; the last one is not in
-the target's cache yet). Rows are engine rows: a request enters one with
-``admit``, reads its prompt alongside the target with ``prefill``, and the
-batch is compacted with ``move_row``. ``propose`` returns
-drafts [B, K], how many of each row are real proposals, and, for rows that
-sample by rejection, the draft distributions they were drawn from.
+Every drafter implements ``Drafter``; the scheduler knows only that protocol. A drafter sees the
+scheduler's token buffer ``tokens [B, cap]`` and each row's known token count ``n [B]`` (prompt +
+output so far; the last one is not in the target's cache yet). Rows are engine rows: a request enters
+one with ``admit`` (taking back reused prefix slots), reads its prompt alongside the target with
+``prefill``, and the batch is compacted with ``move_row``. ``propose`` returns a Proposal; after the
+target's verdict, ``accepted`` says which tokens of each row are now known to be right.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
-from ..engines.base import greedy_steps
+from ..engines.base import SavedPrefix, greedy_steps
+
+
+@dataclass
+class Proposal:
+    """One round's drafts. ``calls``: the draft-engine calls made for it as (rows, tokens per row, seconds),
+    a catch-up call first; the load-aware k policy learns the draft's costs from them."""
+
+    drafts: np.ndarray  # [B, K] int64
+    counts: np.ndarray  # [B] int64: how many of each row's drafts are real proposals (<= its cap)
+    probs: np.ndarray | None = None  # [B, K, V]: the draft distributions of rows that sample by rejection
+    calls: list[tuple[int, int, float]] = field(default_factory=list)
+
+    @classmethod
+    def empty(cls, b: int) -> Proposal:
+        return cls(np.zeros((b, 0), np.int64), np.zeros(b, np.int64))
+
+
+class Drafter(Protocol):
+    name: str
+
+    def admit(self, row: int, prefix: SavedPrefix | None, n: int) -> None:
+        """A request takes ``row``; the first n slots of ``prefix`` (from save_prefix) are reused (n may be 0)."""
+
+    def reusable(self, prefix: SavedPrefix | None) -> int:
+        """How many leading tokens of a saved prefix this drafter can take back (no cache of its own: any)."""
+
+    def save_prefix(self, row: int, n: int) -> SavedPrefix | None:
+        """What this drafter keeps of the first n tokens of ``row`` for reuse, or None."""
+
+    def prefill(self, input_ids: np.ndarray, position_ids: np.ndarray, first_row: int, fed: np.ndarray) -> None:
+        """Rows [first_row, first_row + P) read the same prompt chunk as the target: ids [P, T], fed [P]."""
+
+    def propose(self, tokens: np.ndarray, n: np.ndarray, caps: np.ndarray, samplers, capacity: int) -> Proposal:
+        """Up to caps[r] drafts for each row r (tokens [B, cap], n [B], caps [B], one RowSampler per row)."""
+
+    def accepted(self, valid: np.ndarray) -> None:
+        """valid [B]: the tokens of each row now known to be right."""
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Row src moves to dst (the batch is compacted)."""
+
+
+_ANY = 1 << 62  # a drafter without a cache reuses any prefix
 
 
 class NoDrafter:
     name = "none"
 
-    def admit(self, row: int, cached: int):
+    def admit(self, row, prefix, n):
         pass
+
+    def reusable(self, prefix):
+        return _ANY
+
+    def save_prefix(self, row, n):
+        return None
 
     def prefill(self, input_ids, position_ids, first_row, fed):
         pass
 
     def propose(self, tokens, n, caps, samplers, capacity):
-        b = n.size
-        return np.zeros((b, 0), np.int64), np.zeros(b, np.int64), None
+        return Proposal.empty(n.size)
 
     def accepted(self, valid):
         pass
@@ -47,23 +96,32 @@ class DraftModelDrafter:
         self.engine = engine
         self.pad_id = pad_id
         self.cached = np.zeros(engine.max_batch, np.int64)  # tokens of each row in the draft's cache
-        self.calls: list[tuple[int, int, float]] = []  # (rows, tokens per row, seconds) of the last propose
 
-    def admit(self, row: int, cached: int):
-        self.cached[row] = cached  # > 0 when a reused prefix was loaded into the draft's cache
+    def admit(self, row, prefix, n):
+        if n:
+            self.engine.load_prefix(prefix.head(n), row)
+        self.cached[row] = n
 
-    def prefill(self, input_ids, position_ids, first_row: int, fed):
-        # rows [first_row, first_row + P) read the same prompt chunk as the target: input_ids [P, T], fed [P]
+    def reusable(self, prefix):
+        return prefix.tokens if prefix is not None else 0
+
+    def save_prefix(self, row, n):
+        keep = min(int(self.cached[row]), n)
+        return self.engine.save_prefix(row, keep) if keep else None
+
+    def prefill(self, input_ids, position_ids, first_row, fed):
         self.engine.forward(input_ids, position_ids, first_row=first_row)
         self.cached[first_row : first_row + fed.size] += fed
 
     def propose(self, tokens, n, caps, samplers, capacity):
-        # tokens [B, cap] int64, n [B], caps [B] -> drafts [B, K], counts [B], probs [B, K, V] or None
-        # First one call catches every row up with the tokens its cache lacks (the last one or two, more
-        # after rounds without drafting); pads sit beyond each row's cached tokens, where the mask hides
-        # them and later writes overwrite them. Then k - 1 one-token calls extend the drafts.
+        # tokens [B, cap] int64, n [B], caps [B] -> Proposal(drafts [B, K], counts [B], probs [B, K, V] or None)
+        # First one call catches every row up with the tokens its cache lacks (the last one or two, more after
+        # rounds without drafting); then k - 1 one-token calls extend the drafts.
         b = n.size
+        if b == 1 and samplers[0].mode == "greedy":
+            return self._greedy_chain(tokens[0], int(n[0]), int(caps[0]))
         cached = self.cached[:b]
+        # pads sit beyond each row's cached tokens, where the mask hides them and later writes overwrite them
         width = int(max(1, (n - cached).max()))
         width = min(width, int((capacity - cached).min()))  # no row may write past the cache's capacity
         offsets = np.arange(width)
@@ -73,27 +131,18 @@ class DraftModelDrafter:
                        self.pad_id)
         t0 = time.perf_counter()
         logits = self.engine.forward(ids, pos)
-        self.calls = [(b, width, time.perf_counter() - t0)]
+        calls = [(b, width, time.perf_counter() - t0)]
         cached += fed
         # a row drafts only when it is fully caught up (its logits then predict token n)
         counts = np.where((cached == n) & (fed > 0), caps, 0).astype(np.int64)
         k = int(counts.max()) if b else 0
         drafts = np.zeros((b, k), np.int64)
-        probs = None
         if k == 0:
-            return drafts, counts, probs
+            return Proposal(drafts, counts, None, calls)
+        probs = None
         if any(samplers[r].mode == "rejection" for r in range(b) if counts[r]):
             probs = np.zeros((b, k, logits.shape[-1]))
         last = logits[np.arange(b), np.maximum(fed - 1, 0)]  # [B, V]
-        if b == 1 and k > 1 and samplers[0].mode == "greedy":  # one greedy chain: the engine's own loop
-            drafts[0, 0] = samplers[0].choose(last[0], int(n[0]))
-            chain = []
-            calls, seconds = greedy_steps(self.engine, 0, int(drafts[0, 0]), int(n[0]), k - 1,
-                                          lambda t: chain.append(t) or True)
-            drafts[0, 1:] = chain
-            self.calls.extend([(1, 1, seconds / calls)] * calls)
-            cached[0] = n[0] + k - 1
-            return drafts, counts, probs
         # a row not extending its drafts writes a pad at its first free slot (harmless, overwritten later)
         free = np.where(counts > 0, n + counts - 1, cached)
         for j in range(k):
@@ -107,10 +156,24 @@ class DraftModelDrafter:
                 step_ids = np.where(active, drafts[:, j], self.pad_id)
                 t0 = time.perf_counter()
                 last = self.engine.forward(step_ids[:, None], step_pos[:, None])[:, 0]
-                self.calls.append((b, 1, time.perf_counter() - t0))
+                calls.append((b, 1, time.perf_counter() - t0))
         drafting = counts > 0
         cached[drafting] = n[drafting] + counts[drafting] - 1  # the catch-up tokens and drafts[:, :k-1]
-        return drafts, counts, probs
+        return Proposal(drafts, counts, probs, calls)
+
+    def _greedy_chain(self, row_tokens, n, k):
+        # one greedy row: the same calls as the batch path (catch-up, then k - 1 one-token calls), without its
+        # array work, the chain's one-token calls in the engine's own loop (engines.base.greedy_steps)
+        c = int(self.cached[0])
+        t0 = time.perf_counter()
+        logits = self.engine.forward(row_tokens[None, c:n], np.arange(c, n)[None])
+        chain = [int(logits[0, -1].argmax())]
+        calls = [(1, n - c, time.perf_counter() - t0)]
+        if k > 1:
+            steps, seconds = greedy_steps(self.engine, 0, chain[0], n, k - 1, lambda t: chain.append(t) or True)
+            calls.extend([(1, 1, seconds / steps)] * steps)
+        self.cached[0] = n + k - 1
+        return Proposal(np.array([chain], np.int64), np.array([k], np.int64), None, calls)
 
     def accepted(self, valid):
         # valid [B]: tokens now known to be right in each row; later draft entries are stale
@@ -135,8 +198,14 @@ class PromptLookupDrafter:
         self.max_ngram = max_ngram
         self.rows: list[tuple[dict, list[int]]] = [({}, [0]) for _ in range(max_batch)]  # (index, [indexed upto])
 
-    def admit(self, row: int, cached: int):
+    def admit(self, row, prefix, n):
         self.rows[row] = ({}, [0])
+
+    def reusable(self, prefix):
+        return _ANY
+
+    def save_prefix(self, row, n):
+        return None
 
     def prefill(self, input_ids, position_ids, first_row, fed):
         pass
@@ -167,7 +236,7 @@ class PromptLookupDrafter:
                     drafts[row, :m] = seq[start : start + m]
                     counts[row] = m
                     break
-        return drafts, counts, None
+        return Proposal(drafts, counts)
 
     def accepted(self, valid):
         pass

@@ -8,25 +8,11 @@ each caller gets exactly the output its request would get alone.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
-from .scheduler import DRAFTERS, GenerationResult, RequestStats, Scheduler
+from .request import BatchStats, GenerationResult, RequestStats
+from .scheduler import DRAFTERS, Scheduler
 
 __all__ = ["DRAFTERS", "BatchStats", "GenerationOutput", "GenerationResult", "Generator", "RequestStats", "Stream"]
-
-
-@dataclass
-class BatchStats(RequestStats):
-    """A generate() call's totals: its requests' counts, and the scheduler's work while it ran
-    (which includes other callers' requests sharing the rounds)."""
-
-    requests: int = 0
-    draft_calls: int = 0
-    prefill_s: float = 0.0
-    draft_s: float = 0.0
-    verify_s: float = 0.0
-    other_s: float = 0.0
-    k_chosen: list[int] = field(default_factory=list)  # k per round
 
 
 class GenerationOutput(list):
@@ -62,16 +48,17 @@ class Generator:
 
     ``target``/``draft`` are engine or export directories, or loaded engines.
     ``drafter`` is "draft" (default when a draft is given), "prompt_lookup" or "none".
-    k is ``num_draft_tokens`` every round, or with ``adaptive_k`` chosen each round (up to it) from
-    the measured costs at the current batch size. Other keyword arguments go to the Scheduler.
+    ``k_policy`` "load-aware" (default) chooses k each round, up to ``num_draft_tokens``, from the measured
+    costs at the current batch size; "fixed" drafts ``num_draft_tokens`` every round. Other keyword
+    arguments go to the Scheduler.
     Safe to share between threads.
     """
 
     def __init__(self, target, draft=None, *, num_draft_tokens: int = 4, drafter: str | None = None,
-                 adaptive_k: bool = False, num_threads: int | None = None, **scheduler_options):
+                 k_policy: str = "load-aware", num_threads: int | None = None, **scheduler_options):
         self.scheduler = Scheduler(
             target, draft, drafter=drafter, num_draft_tokens=num_draft_tokens,
-            k_policy="load-aware" if adaptive_k else "fixed", num_threads=num_threads, **scheduler_options,
+            k_policy=k_policy, num_threads=num_threads, **scheduler_options,
         )
         self.target = self.scheduler.target
         self.draft = self.scheduler.draft
@@ -85,6 +72,8 @@ class Generator:
         """Generate for one prompt (-> GenerationResult) or a list (-> GenerationOutput, a list with .stats).
 
         In a list with a ``seed``, prompt i samples with seed + i (so each reproduces alone with its seed).
+        Generation ends at an EOS, at a ``stop`` string (the text ends before it unless
+        ``include_stop_str_in_output=True``) or at ``max_new_tokens`` (GenerationResult says where).
         """
         single = isinstance(prompts, str)
         prompts = [prompts] if single else list(prompts)
@@ -105,23 +94,8 @@ class Generator:
             raise
         if single:
             return results[0]
-        after = self.scheduler.stats()
-        stats = BatchStats(requests=len(results))
-        for r in results:
-            for name in ("new_tokens", "prompt_tokens", "target_calls", "rounds", "proposed", "accepted", "rejected"):
-                setattr(stats, name, getattr(stats, name) + getattr(r.stats, name))
-            for i, count in enumerate(r.stats.accepted_histogram):
-                if len(stats.accepted_histogram) <= i:
-                    stats.accepted_histogram.append(0)
-                stats.accepted_histogram[i] += count
-        stats.elapsed_s = time.perf_counter() - t0
-        stats.time_to_first_token_s = min(r.stats.time_to_first_token_s for r in results)
-        stats.target_calls = after.target_calls - before.target_calls
-        stats.rounds = after.rounds - before.rounds
-        for name in ("draft_calls", "prefill_s", "draft_s", "verify_s"):
-            setattr(stats, name, getattr(after, name) - getattr(before, name))
-        stats.other_s = max(0.0, stats.elapsed_s - stats.prefill_s - stats.draft_s - stats.verify_s)
-        stats.k_chosen = [k for rnd, k, _ in list(self.scheduler.round_log) if rnd >= first_round]
+        k_chosen = [k for rnd, k, _ in list(self.scheduler.round_log) if rnd >= first_round]
+        stats = BatchStats.of(results, before, self.scheduler.stats(), time.perf_counter() - t0, k_chosen)
         return GenerationOutput(results, stats)
 
     def stream(self, prompt: str, max_new_tokens: int = 128, **kwargs) -> Stream:

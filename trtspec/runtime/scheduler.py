@@ -4,17 +4,21 @@ Engine rows are slots (llama.cpp's server, DESIGN.md §7). Each round:
   1. admission: waiting requests (highest priority first, aged so none starves) take free rows; a
      prompt that starts with tokens already computed (a finished request's, or a registered prefix)
      gets those cache slots copied in instead of recomputed;
-  2. k: each decoding row may draft up to its own k; load-aware k picks this round's k from the
+  2. prompts: rows still reading their prompt (after the decoding rows) get up to ``prefill_chunk``
+     tokens each, first come first served, in one target call (shorter chunks padded beyond their
+     length: the pads' cache writes land in slots the mask hides and later writes overwrite); the
+     draft reads the same chunks. A row that finishes its prompt emits its first token and joins the
+     decoding rows, verifying in this very round. So a long prompt never stalls the others;
+  3. k: each decoding row may draft up to its own k; load-aware k picks this round's k from the
      measured call costs at the current batch size, 0 when drafting does not pay;
-  3. draft: one catch-up call (decoding rows feed what the draft has not seen; rows still reading
-     their prompt feed this round's chunk of it), then k - 1 one-token calls;
-  4. target: ONE call [B, T] for every row. A decoding row brings [last token, drafts...]; a row
-     reading its prompt brings its next chunk (up to ``prefill_chunk`` tokens). Rows with fewer than
-     T tokens are padded beyond their length: the pads' cache writes land in slots the mask hides
-     from every real token, and the row's next real tokens overwrite them. So a long prompt is read
-     a chunk per round while the other rows keep emitting tokens, each round costing one call;
-  5. acceptance per row with its own sampling parameters and randomness, stop checks, and
-     retirement: finished or cancelled rows leave at once (the last row moves into the hole).
+  4. draft (drafters.Drafter.propose) and verify: ONE target call [D, k+1] over the decoding rows'
+     [last token, drafts...] (rows with fewer drafts padded);
+  5. acceptance per row with its own sampling parameters and randomness (speculative.RowSampler); the
+     accepted tokens join the request through the one stop rule (output.RequestOutput); retirement:
+     finished or cancelled rows leave at once (the last row moves into the hole).
+A lone decoding row (nobody else running, nobody waiting who could get a row) repeats steps 3-5 without
+the admission and retirement around them; a lone greedy row that drafts nothing decodes in the engine's own
+loop (engines.base.greedy_steps). Both are the round's own code with a loop around it, not a second copy.
 Everything a caller can get wrong is checked in the caller's thread before the request is queued.
 """
 
@@ -25,341 +29,38 @@ import itertools
 import os
 import threading
 import time
-import uuid
-from collections import OrderedDict, deque
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from collections import deque
 
 import numpy as np
 
 from ..engines import load_engine
-from ..engines.base import SavedPrefix, greedy_steps, lease
-from ..errors import CapacityError
+from ..engines.base import greedy_steps, lease
 from .adaptive import LoadAwareK
-from .drafters import DraftModelDrafter, NoDrafter, PromptLookupDrafter
-from .sampling import SPECULATIVE_SAMPLING, RowSampler, SamplingParams
+from .drafters import Drafter, DraftModelDrafter, NoDrafter, PromptLookupDrafter, Proposal
+from .output import RequestOutput
+from .prefix_cache import PrefixCache
+from .request import (
+    AsyncRequestHandle,
+    GenerationResult,
+    Request,
+    RequestFailedError,
+    RequestHandle,
+    SchedulerStats,
+)
+from .sampling import SamplingParams
 from .self_draft import SELF, self_draft
-from .text import IncrementalText
+from .speculative import SPECULATIVE_SAMPLING, RowSampler
+from .tokenizer import encode_prompt, load_tokenizer
 from .vocab import check_same_vocabulary
 
 DRAFTERS = ("draft", "prompt_lookup", "none")
-
-
-class RequestFailedError(RuntimeError):
-    """An engine call failed while this request was running (other requests are not affected)."""
 K_POLICIES = ("load-aware", "fixed")
-
-
-@dataclass
-class RequestStats:
-    prompt_tokens: int = 0
-    new_tokens: int = 0
-    elapsed_s: float = 0.0  # from submission to the last token
-    queue_s: float = 0.0  # from submission to admission into an engine row
-    time_to_first_token_s: float = 0.0  # from submission
-    inter_token_s: list[float] = field(default_factory=list)  # per token after the first: block gap / block size
-    prefix_tokens_reused: int = 0
-    target_calls: int = 0  # prefill chunks included
-    rounds: int = 0
-    proposed: int = 0
-    accepted: int = 0
-    rejected: int = 0  # rounds that ended at a rejected draft (the rest accepted all they proposed)
-    accepted_histogram: list[int] = field(default_factory=list)  # rounds that accepted i drafts, i = 0..k
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.new_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.proposed if self.proposed else 0.0
-
-    @property
-    def token_acceptance(self) -> float:
-        """Per-token acceptance probability alpha: accepted / drafts actually checked (DESIGN.md §4)."""
-        checked = self.accepted + self.rejected
-        return self.accepted / checked if checked else 0.0
-
-    @property
-    def mean_tokens_per_target_call(self) -> float:
-        return self.new_tokens / self.target_calls if self.target_calls else 0.0
-
-    def record_accept(self, accepted: int, proposed: int):
-        if proposed == 0:  # a plain decoding round: nothing was up for acceptance
-            return
-        self.proposed += proposed
-        self.accepted += accepted
-        self.rejected += accepted < proposed
-        if len(self.accepted_histogram) <= accepted:
-            self.accepted_histogram.extend([0] * (accepted + 1 - len(self.accepted_histogram)))
-        self.accepted_histogram[accepted] += 1
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d.update(
-            tokens_per_s=self.tokens_per_s,
-            acceptance_rate=self.acceptance_rate,
-            token_acceptance=self.token_acceptance,
-            mean_tokens_per_target_call=self.mean_tokens_per_target_call,
-        )
-        return d
-
-
-@dataclass
-class GenerationResult:
-    text: str
-    token_ids: list[int]
-    finish_reason: str  # "stop" (EOS or a stop string), "length" (max_new_tokens or capacity), "cancelled"
-    stats: RequestStats
-    replica: str | None = None  # the server replica that produced it (set by the Ray Serve front)
-
-
-@dataclass
-class SchedulerStats:
-    """Counters of one scheduler since it was made (a snapshot)."""
-
-    running: int = 0
-    waiting: int = 0
-    rounds: int = 0
-    target_calls: int = 0
-    draft_calls: int = 0
-    prefill_s: float = 0.0  # rounds that carried prompt chunks (their target call)
-    draft_s: float = 0.0
-    verify_s: float = 0.0  # target calls of rounds without prompt chunks
-    requests_finished: int = 0
-    requests_cancelled: int = 0
-    requests_failed: int = 0
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    prefix_hits: int = 0
-    prefix_misses: int = 0
-    prefix_tokens_reused: int = 0
-    prefix_cache_bytes: int = 0
-    proposed: int = 0
-    accepted: int = 0
-    k_histogram: dict[int, int] = field(default_factory=dict)  # rounds that chose k
-
-
-class _Request:
-    """One request's state; lives in an engine row while it runs."""
-
-    __slots__ = ("id", "seq", "prompt_ids", "max_new_tokens", "stop", "k", "priority", "sampler", "sink",
-                 "submitted", "admitted", "last_emit", "cancelled", "prefix_only", "stats", "text", "finish_reason",
-                 "token_ids", "streaming")
-
-    def __init__(self, seq, prompt_ids, max_new_tokens, stop, k, priority, sampler, sink, prefix_only=False):
-        self.id = f"req-{uuid.uuid4().hex[:16]}"
-        self.seq = seq
-        self.prompt_ids = prompt_ids
-        self.max_new_tokens = max_new_tokens
-        self.stop = stop
-        self.k = k
-        self.priority = priority
-        self.sampler = sampler
-        self.sink = sink
-        self.submitted = time.perf_counter()
-        self.admitted = None
-        self.last_emit = None
-        self.cancelled = False
-        self.prefix_only = prefix_only
-        self.stats = RequestStats(prompt_tokens=int(prompt_ids.size))
-        self.text = None
-        self.finish_reason = None
-        self.token_ids = None
-        self.streaming = True  # False: nobody reads text deltas, the text is decoded once when it finishes
-
-
-class RequestHandle:
-    """A submitted request: iterate for text deltas, ``result()`` for the GenerationResult, ``cancel()`` to stop it.
-
-    Deltas are buffered here; only a thread iterating the handle is woken for each one, so a caller
-    waiting on ``result()`` does not take CPU from the engine loop every round.
-    """
-
-    def __init__(self, scheduler, request):
-        self._scheduler = scheduler
-        self._request = request
-        self.id = request.id
-        self._cond = threading.Condition()
-        self._deltas: deque[str] = deque()
-        self._done = threading.Event()
-        self._result = None
-        self._error = None
-
-    def _push(self, event):
-        kind, value = event
-        with self._cond:
-            if kind == "delta":
-                self._deltas.append(value)
-            elif kind == "done":
-                self._result = value
-            else:
-                self._error = value
-            if kind != "delta":
-                self._done.set()
-            self._cond.notify_all()
-
-    def __iter__(self):
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._deltas or self._done.is_set())
-                deltas = list(self._deltas)
-                self._deltas.clear()
-                done = self._done.is_set()
-            yield from deltas
-            if done:
-                break
-        if self._error is not None:
-            raise self._error
-
-    def result(self, timeout: float | None = None) -> GenerationResult:
-        """Wait for the request to finish (raises what failed it)."""
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"request {self.id} did not finish within {timeout} s")
-        if self._error is not None:
-            raise self._error
-        return self._result
-
-    @property
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def cancel(self):
-        """Stop the request: its row is freed within one round; it ends with finish_reason "cancelled"."""
-        self._scheduler._cancel(self._request)
-
-
-class AsyncRequestHandle:
-    """A request submitted from a coroutine. Leaving the ``async for`` early cancels the request."""
-
-    def __init__(self, scheduler, request):
-        self._scheduler = scheduler
-        self._request = request
-        self.id = request.id
-        self._queue: asyncio.Queue = asyncio.Queue()
-        self.result: GenerationResult | None = None
-
-    async def start(self):
-        """Nothing to wait for here (the request is queued); a remote handle's ``start`` waits to be routed."""
-
-    async def __aiter__(self):
-        """Text deltas; what has arrived together comes as one piece, and when that includes the end,
-        ``result`` is already set as the last piece is handed out."""
-        try:
-            while True:
-                events = [await self._queue.get()]
-                while not self._queue.empty():
-                    events.append(self._queue.get_nowait())
-                text = "".join(v for k, v in events if k == "delta")
-                kind, value = events[-1]
-                if kind == "error":
-                    raise value
-                if kind == "done":
-                    self.result = value
-                if text:
-                    yield text
-                if kind == "done":
-                    return
-        finally:
-            if self.result is None and self._request.finish_reason is None:
-                self.cancel()  # the consumer went away (or was cancelled): free the row
-
-    def cancel(self):
-        self._scheduler._cancel(self._request)
-
-
-class PrefixCache:
-    """KV slots of already-processed token sequences, bounded in bytes, least recently used out first.
-
-    Entries hold copies of a row's first n cache slots (target and draft). A new prompt
-    reuses the longest common token prefix with any entry. Registered prefixes are pinned.
-    """
-
-    def __init__(self, max_bytes: int, min_tokens: int):
-        self.max_bytes = max_bytes
-        self.min_tokens = min_tokens
-        self.entries: OrderedDict[int, tuple] = OrderedDict()  # id -> (tokens, target block, draft block, pinned)
-        self.nbytes = 0
-        self._ids = itertools.count()
-
-    @staticmethod
-    def _size(target, draft):
-        return target.nbytes + (draft.nbytes if draft is not None else 0)
-
-    def lookup(self, prompt: np.ndarray):
-        """(tokens reusable, target block, draft block) of the best entry for ``prompt``, or None."""
-        best, best_len = None, 0
-        for key, (tokens, *_rest) in self.entries.items():
-            m = min(tokens.size, prompt.size - 1)  # at least one prompt token is left to compute
-            common = int(np.argmin(tokens[:m] == prompt[:m])) if m and not np.array_equal(tokens[:m], prompt[:m]) else m
-            if common > best_len:
-                best, best_len = key, common
-        if best is None or best_len < self.min_tokens:
-            return None
-        self.entries.move_to_end(best)
-        _, target, draft, _ = self.entries[best]
-        return best_len, target, draft
-
-    def add(self, tokens: np.ndarray, target, draft, pinned: bool = False) -> bool:
-        size = self._size(target, draft)
-        if tokens.size < self.min_tokens or size > self.max_bytes:
-            return False
-        for key, (old, t_old, d_old, old_pinned) in list(self.entries.items()):
-            if old.size >= tokens.size and np.array_equal(old[: tokens.size], tokens):
-                if pinned and not old_pinned:
-                    self.entries[key] = (old, t_old, d_old, True)
-                self.entries.move_to_end(key)
-                return True  # already covered
-            if old.size < tokens.size and np.array_equal(tokens[: old.size], old) and not old_pinned:
-                del self.entries[key]  # the new entry covers it
-                self.nbytes -= self._size(t_old, d_old)
-        for key in list(self.entries):
-            if self.nbytes + size <= self.max_bytes:
-                break
-            if not self.entries[key][3]:
-                _, t_old, d_old, _ = self.entries.pop(key)
-                self.nbytes -= self._size(t_old, d_old)
-        if self.nbytes + size > self.max_bytes:
-            return False  # what is left is pinned
-        self.entries[next(self._ids)] = (tokens.copy(), target, draft, pinned)
-        self.nbytes += size
-        return True
 
 
 def _as_engine(engine_or_path, num_threads):
     if isinstance(engine_or_path, (str, os.PathLike)):
         return load_engine(engine_or_path, num_threads=num_threads)
     return engine_or_path
-
-
-def _load_tokenizer(engine):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(Path(engine.path) / engine.manifest["tokenizer"])
-
-
-def encode_prompt(tokenizer, prompt, *, vocab_size: int, bos_id: int | None, capacity: int) -> np.ndarray:
-    """Token ids of a prompt (a string, or a list of token ids), checked against an engine's capacity."""
-    if isinstance(prompt, str):
-        ids = tokenizer(prompt)["input_ids"]
-    elif isinstance(prompt, (list, tuple, np.ndarray)) and all(
-        isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt
-    ):
-        ids = [int(t) for t in prompt]
-        if any(not 0 <= t < vocab_size for t in ids):
-            raise ValueError(f"prompt token ids must lie in [0, {vocab_size})")
-    else:
-        raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-    if not ids:
-        if bos_id is None:
-            raise ValueError("empty prompt and the tokenizer has no BOS token to start from")
-        ids = [bos_id]
-    if len(ids) >= capacity:
-        raise CapacityError(
-            f"prompt has {len(ids)} tokens but the engine holds {capacity} positions (prompt and "
-            f"output together); shorten the prompt or re-export with --max-seq-len {2 * len(ids)}"
-        )
-    return np.asarray(ids, dtype=np.int64)
 
 
 class Scheduler:
@@ -394,7 +95,7 @@ class Scheduler:
         num_threads: int | None = None,
     ):
         self.target = _as_engine(target, num_threads)
-        self.tokenizer = _load_tokenizer(self.target)
+        self.tokenizer = load_tokenizer(self.target)
         if isinstance(draft, str) and draft == SELF:  # the target's own INT4 build (runtime/self_draft.py)
             draft = self_draft(self.target)
         drafter = drafter or ("draft" if draft is not None else "none")
@@ -433,6 +134,7 @@ class Scheduler:
         if not isinstance(max_batch, int) or not 1 <= max_batch <= engine_batch:
             raise ValueError(f"max_batch must be an integer in [1, {engine_batch}] (the engines' rows), got {max_batch!r}")
         self.max_batch = max_batch
+        self.drafter: Drafter
         if drafter == "draft":
             self.drafter = DraftModelDrafter(self.draft, self.pad_id)
         elif drafter == "prompt_lookup":
@@ -457,9 +159,9 @@ class Scheduler:
         self._tokens = np.full((max_batch, self.capacity + k_room + 1), self.pad_id, dtype=np.int64)
         self._n = np.zeros(max_batch, np.int64)  # known tokens per row (prompt + output)
         self._tc = np.zeros(max_batch, np.int64)  # tokens in the target's cache per row
-        self._rows: list[_Request] = []  # engine row i runs self._rows[i]
+        self._rows: list[Request] = []  # engine row i runs self._rows[i]
         self._decoding = 0  # rows [0, D) decode; rows [D, B) are still reading their prompts
-        self._waiting: list[_Request] = []
+        self._waiting: list[Request] = []
         self._seq = itertools.count()
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -467,8 +169,9 @@ class Scheduler:
         self._stats = SchedulerStats()
         self.failure: Exception | None = None  # the last engine error (a server reports itself unhealthy on it)
         self.round_log: deque = deque(maxlen=1 << 16)  # (round number, k chosen, rows)
-        # a lone greedy row decodes in loops of its own (_decode_alone, _speculate_alone); False sends every
-        # round through the batch path (the same tokens and statistics; tests and benchmarks compare the two)
+        # a lone row repeats its rounds without admission and retirement around them (_decode_round), a greedy
+        # one without a drafter in the engine's own loop (_decode_alone); False sends every round through the
+        # whole loop (the same tokens and statistics; tests and benchmarks compare the two)
         self.lone_row_loops = True
 
     def _check_k(self, k, allow_any=False):
@@ -486,7 +189,8 @@ class Scheduler:
                              capacity=self.capacity)
 
     def make_request(self, prompt, *, max_new_tokens=128, temperature=0.0, top_k=None, top_p=None, seed=None,
-                     stop=None, num_draft_tokens=None, priority=0, sink=None, prefix_only=False) -> _Request:
+                     stop=None, include_stop_str_in_output=False, num_draft_tokens=None, priority=0, sink=None,
+                     prefix_only=False) -> Request:
         """Validate everything about one request (raising the user's error) without queuing it."""
         if not prefix_only and (not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool)
                                 or max_new_tokens < 1):
@@ -494,6 +198,8 @@ class Scheduler:
         stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError("stop strings must be non-empty strings")
+        if not isinstance(include_stop_str_in_output, bool):
+            raise ValueError(f"include_stop_str_in_output must be true or false, got {include_stop_str_in_output!r}")
         if seed is not None and (not isinstance(seed, (int, np.integer)) or isinstance(seed, bool)):
             raise ValueError(f"seed must be an integer, got {seed!r}")
         if not isinstance(priority, int) or isinstance(priority, bool):
@@ -512,12 +218,13 @@ class Scheduler:
                 raise ValueError(f"num_draft_tokens must be an integer >= 0, got {num_draft_tokens!r}")
             k = num_draft_tokens
         ids = self.encode(prompt)
-        return _Request(next(self._seq), ids, max_new_tokens if not prefix_only else 0, stop, k, priority,
-                        RowSampler(params, self.sampling), sink, prefix_only)
+        return Request(next(self._seq), ids, max_new_tokens if not prefix_only else 0, stop,
+                       include_stop_str_in_output, k, priority, RowSampler(params, self.sampling), sink, prefix_only)
 
     def submit(self, prompt, **params) -> RequestHandle:
         """Queue one request; returns its handle at once. Parameters as Generator.generate, plus
-        ``num_draft_tokens`` (this request's k; 0: no drafting) and ``priority`` (higher first)."""
+        ``num_draft_tokens`` (this request's k; 0: no drafting), ``priority`` (higher first) and
+        ``include_stop_str_in_output`` (the text keeps the stop string that ended it; vLLM's name)."""
         request = self.make_request(prompt, **params)
         handle = RequestHandle(self, request)
         request.sink = handle._push
@@ -660,34 +367,31 @@ class Scheduler:
                 admitted.append(best)
         for r in cancelled:
             r.finish_reason = "cancelled"
-            self._finish(r, [])
+            self._finish(r, None)
         for r in admitted:
             row = len(self._rows)  # newcomers join the prompt-reading rows at the end
             r.admitted = now
             r.stats.queue_s = now - r.submitted
-            r.text = IncrementalText(self.tokenizer, int(r.prompt_ids.size), r.stop)
             plen = r.prompt_ids.size
+            r.output = RequestOutput(self.tokenizer, eos_ids=self.eos_ids, limit=min(r.max_new_tokens, self.capacity - plen),
+                                     stop=r.stop, include_stop=r.include_stop, streaming=r.streaming)
             self._tokens[row, :plen] = r.prompt_ids
             self._n[row] = plen
-            reused = 0
+            reused, d_block = 0, None
             hit = self.prefix_cache.lookup(r.prompt_ids) if self.prefix_cache else None
             if hit is not None:
                 common, t_block, d_block = hit
                 # both caches must hold the reused slots: the draft then reads the rest of the prompt alongside
-                reused = min(common, t_block.parts[0].shape[1])
-                if self.draft is not None:
-                    reused = min(reused, d_block.parts[0].shape[1] if d_block is not None else 0)
+                reused = min(common, t_block.tokens, self.drafter.reusable(d_block))
             if reused > 0:
-                self.target.load_prefix(_head(t_block, reused), row)
-                if self.draft is not None:
-                    self.draft.load_prefix(_head(d_block, reused), row)
+                self.target.load_prefix(t_block.head(reused), row)
                 self._stats.prefix_hits += 1
                 self._stats.prefix_tokens_reused += reused
             elif self.prefix_cache is not None:
                 self._stats.prefix_misses += 1
             self._tc[row] = reused
             r.stats.prefix_tokens_reused = reused
-            self.drafter.admit(row, reused)
+            self.drafter.admit(row, d_block, reused)
             self._stats.prompt_tokens += int(plen)
             with self._cv:
                 self._rows.append(r)
@@ -701,70 +405,95 @@ class Scheduler:
                     r.finish_reason = "cancelled"
         self._retire()
         # prompts first: a row that finishes reading its prompt emits its first token now and verifies in
-        # this very round, instead of waiting one decode call longer
+        # this very round, instead of waiting one decode call longer (unless that token ended it)
         if len(self._rows) > self._decoding:
             self._prefill_round()
+            self._retire()
         if self._decoding:
             self._decode_round()
         self._retire()
 
     def _decode_round(self):
-        """Rows [0, D): draft up to k tokens each, verify them in one target call, accept per row."""
+        """Rows [0, D): draft up to k tokens each, verify them in one target call, accept per row.
+
+        A lone row goes on round after round here while it runs alone (_keeps_going), without the admission
+        and retirement around each round; a lone greedy row without drafts decodes in the engine's own loop.
+        """
         b = self._decoding
         rows = self._rows[:b]
-        n, tc = self._n[:b], self._tc[:b]
+        lone = b == 1 and len(self._rows) == 1 and self.lone_row_loops
+        while True:
+            caps = self._caps(rows)
+            if lone and not caps.any() and rows[0].sampler.mode == "greedy":
+                return self._decode_alone(rows[0])
+            self._speculate(rows, caps)
+            if not (lone and self._keeps_going(rows[0])):
+                return
+
+    def _caps(self, rows) -> np.ndarray:
+        """The most drafts each row may have this round: its k, the room left in the cache and in its output."""
         # every row writes [n - 1, n - 1 + T): no row may pass the cache's capacity
+        n = self._n[: len(rows)]
         t_cap = int((self.capacity - (n - 1)).min())
-        caps = np.array([max(0, min(r.k, t_cap - 1, r.max_new_tokens - r.stats.new_tokens - 1)) for r in rows], np.int64)
-        if b == 1 and len(self._rows) == 1 and rows[0].sampler.mode == "greedy" and self.lone_row_loops:
-            if self.drafter_name == "none" and not caps.any():
-                return self._decode_alone(rows[0], t_cap)
-            if self.drafter_name == "draft" and caps.any():
-                return self._speculate_alone(rows[0])
-        if self.policy is not None and caps.any():
-            k = self.policy.choose(b, caps)
+        return np.array([max(0, min(r.k, t_cap - 1, r.output.limit - len(r.output.token_ids) - 1)) for r in rows],
+                        np.int64)
+
+    def _keeps_going(self, r) -> bool:
+        """A lone row's loop goes on: it runs, and nobody arrived whom a free row could take."""
+        return r.finish_reason is None and not r.cancelled and not self._arrival_fits()
+
+    def _arrival_fits(self) -> bool:
+        """A request is waiting and a row is free for it: the lone-row loops hand back to the round loop."""
+        return bool(self._waiting) and len(self._rows) < self.max_batch
+
+    def _speculate(self, rows, caps):
+        """One round over rows [0, B): propose, ONE target call over [last token, drafts...] per row, accept."""
+        b = len(rows)
+        n, tc, stats, policy = self._n[:b], self._tc[:b], self._stats, self.policy
+        if policy is not None and caps.any():
+            k = policy.choose(b, caps)
             caps = np.minimum(caps, k)
         else:
             k = int(caps.max())
-        stats = self._stats
         stats.k_histogram[k] = stats.k_histogram.get(k, 0) + 1
         self.round_log.append((stats.rounds, k, b))
 
         t0 = time.perf_counter()
-        samplers = [r.sampler for r in rows]
-        if caps.any():
-            drafts, counts, draft_probs = self.drafter.propose(self._tokens[:b], n, caps, samplers, self.capacity)
-            if self.draft is not None:
-                stats.draft_calls += max(1, drafts.shape[1])
+        if k:
+            proposal = self.drafter.propose(self._tokens[:b], n, caps, [r.sampler for r in rows], self.capacity)
         else:
-            drafts, counts, draft_probs = np.zeros((b, 0), np.int64), np.zeros(b, np.int64), None
+            proposal = Proposal.empty(b)
         t1 = time.perf_counter()
-        kk = drafts.shape[1]
+        drafts, counts = proposal.drafts, proposal.counts
         width = int(counts.max()) + 1
-        ids = np.full((b, width), self.pad_id, np.int64)  # rows with fewer drafts are padded beyond their length
-        ids[:, 0] = self._tokens[np.arange(b), n - 1]
-        ids[:, 1:] = np.where(np.arange(width - 1) < counts[:, None], drafts[:, : width - 1], self.pad_id)
+        if b == 1:
+            ids = np.empty((1, width), np.int64)
+            ids[0, 0], ids[0, 1:] = self._tokens[0, n[0] - 1], drafts[0, : width - 1]
+        else:  # rows with fewer drafts are padded beyond their length
+            ids = np.full((b, width), self.pad_id, np.int64)
+            ids[:, 0] = self._tokens[np.arange(b), n - 1]
+            ids[:, 1:] = np.where(np.arange(width - 1) < counts[:, None], drafts[:, : width - 1], self.pad_id)
         logits = self.target.forward(ids, (n - 1)[:, None] + np.arange(width))
         t2 = time.perf_counter()
         stats.rounds += 1
         stats.target_calls += 1
+        stats.draft_calls += len(proposal.calls)
         stats.verify_s += t2 - t1
         stats.draft_s += t1 - t0
-        if self.policy is not None:
-            drafted = bool(caps.any()) if self.draft is not None else kk > 0
-            self._learn_calls(b, width, t2 - t1, drafted, (t1 - t0) / max(kk, 1))
+        if policy is not None:
+            self._learn_calls(b, width, t2 - t1, proposal, (t1 - t0) / max(drafts.shape[1], 1))
 
         valid = n.copy()
         emitted = stats.generated_tokens
         for s, r in enumerate(rows):
             r.stats.target_calls += 1
             m = int(counts[s])
-            q = None if draft_probs is None else draft_probs[s, :m]
+            q = None if proposal.probs is None else proposal.probs[s, :m]
             a, x = r.sampler.verify(drafts[s, :m], q, logits[s, : m + 1], int(n[s]))
             r.stats.rounds += 1
             r.stats.record_accept(a, m)
-            if m and self.policy is not None:
-                self.policy.record_acceptance(m, a)
+            if m and policy is not None:
+                policy.record_acceptance(m, a)
             stats.proposed += m
             stats.accepted += a
             n_before = int(n[s])
@@ -772,46 +501,37 @@ class Scheduler:
             valid[s] = min(n_before + a, int(n[s]))  # the cache holds the verified tokens, not the last one
             tc[s] = valid[s]
         self.drafter.accepted(valid)
-        if self.policy is not None:
-            self._learn_round(b, k, caps.any(), stats.generated_tokens - emitted, time.perf_counter() - t0)
+        if policy is not None:
+            self._learn_round(b, k, proposal, stats.generated_tokens - emitted, time.perf_counter() - t0)
 
-    def _learn_calls(self, b, width, verify_s, drafted, per_draft_token_s):
-        """Tell the load-aware policy what a round's calls cost (before its acceptance is known); ``drafted``:
-        the draft model ran this round (its calls are in drafter.calls), or another drafter proposed tokens."""
+    def _learn_calls(self, b, width, verify_s, proposal, per_draft_token_s):
+        """Tell the load-aware policy what a round's calls cost (before its acceptance is known): the draft
+        engine's calls at their sizes (a long catch-up is not a token), or per token of a drafter without one."""
         self.policy.target.record(b, width, verify_s)
-        if not drafted:
-            return
-        if self.draft is not None:  # each draft call at its size: a long catch-up is not a token
-            for calls, tokens, seconds in self.drafter.calls:
-                self.policy.draft.record(calls, tokens, seconds)
-        else:
+        for calls, tokens, seconds in proposal.calls:
+            self.policy.draft.record(calls, tokens, seconds)
+        if not proposal.calls and proposal.drafts.shape[1]:
             self.policy.draft.record(b, 1, per_draft_token_s)
 
-    def _learn_round(self, b, k, drafted, emitted, seconds):
+    def _learn_round(self, b, k, proposal, emitted, seconds):
         """Tell the load-aware policy what a whole round at (b, k) emitted and took."""
-        if self.draft is not None and drafted and self.drafter.calls[0][1] > 2:
+        if proposal.calls and proposal.calls[0][1] > 2:
             # a long catch-up pays for earlier rounds that did not draft: charge this round a usual one
-            seconds += self.policy.draft.estimate(b, 2) - self.drafter.calls[0][2]
+            seconds += self.policy.draft.estimate(b, 2) - proposal.calls[0][2]
         self.policy.record_round(b, k, emitted, seconds)
 
-    def _arrival_fits(self) -> bool:
-        """A request is waiting and a row is free for it: the lone-row loops hand back to the round loop."""
-        return bool(self._waiting) and len(self._rows) < self.max_batch
-
-    def _decode_alone(self, r, t_cap):
-        """One row decoding greedily, no drafter, nobody else running: a run of one-token target calls in the
-        engine's own loop (engines.base.greedy_steps) instead of a round of this loop per token, until the row
-        finishes, is cancelled, or a request arrives that a free row could take. Each call counts as a round;
-        tokens, text, streaming and stop rules are those of round-by-round decoding (every token goes through
-        _emit as it comes)."""
+    def _decode_alone(self, r):
+        """A lone greedy row with no drafts: one-token target calls in the engine's own loop
+        (engines.base.greedy_steps) instead of a round per token, while the row runs alone. Each call counts
+        as a round; every token joins the request through _emit as it comes, as in a round."""
         stats, n0 = self._stats, int(self._n[0])
 
         def on_token(token):
             self._emit(0, r, [token])
-            return r.finish_reason is None and not r.cancelled and not self._arrival_fits()
+            return self._keeps_going(r)
 
         t0 = time.perf_counter()
-        steps = max(1, min(t_cap, r.max_new_tokens - r.stats.new_tokens))
+        steps = max(1, r.output.limit - len(r.output.token_ids))  # the output's limit keeps it inside the cache
         calls, seconds = greedy_steps(self.target, 0, int(self._tokens[0, n0 - 1]), n0 - 1, steps, on_token)
         self.round_log.extend((stats.rounds + i, 0, 1) for i in range(calls))
         stats.k_histogram[0] = stats.k_histogram.get(0, 0) + calls
@@ -824,63 +544,6 @@ class Scheduler:
         if self.policy is not None:
             self.policy.target.record(1, 1, seconds / calls)
             self.policy.record_round(1, 0, 1, (time.perf_counter() - t0) / calls)
-
-    def _speculate_alone(self, r):
-        """One row decoding greedily with a draft model and nobody else running: rounds of draft chain, verify
-        and accept in a loop of their own, without the batch bookkeeping of _decode_round (whose array work
-        per round costs as much as a call of a small INT4 draft). The same calls, tokens, acceptance,
-        statistics and load-aware choices of k as _decode_round; the loop ends when the row finishes or is
-        cancelled, when a request arrives that a free row could take (with max_batch 1 the queue waits for this
-        row, as in the batch path), or when the row's last tokens leave no room to draft."""
-        stats, drafter, tokens, policy = self._stats, self.drafter, self._tokens[0], self.policy
-        n_row, cached = self._n, drafter.cached
-        draft_forward, target_forward, clock = self.draft.forward, self.target.forward, time.perf_counter
-        while r.finish_reason is None and not r.cancelled and not self._arrival_fits():
-            n = int(n_row[0])
-            k = min(r.k, self.capacity - n, r.max_new_tokens - r.stats.new_tokens - 1)
-            if k < 1:
-                return  # the general round emits the last token
-            if policy is not None:
-                k = policy.choose(1, np.array([k]))
-            stats.k_histogram[k] = stats.k_histogram.get(k, 0) + 1
-            self.round_log.append((stats.rounds, k, 1))
-            emitted = stats.generated_tokens
-            t0 = clock()
-            chain = []
-            if k:
-                c = int(cached[0])  # the draft lacks tokens [c, n): the last one, two after a full acceptance
-                chain.append(int(draft_forward(tokens[None, c:n], np.arange(c, n)[None])[0, -1].argmax()))
-                t_catch = clock() - t0
-                calls, seconds = greedy_steps(self.draft, 0, chain[0], n, k - 1, lambda t: chain.append(t) or True)
-                drafter.calls = [(1, n - c, t_catch), *([(1, 1, seconds / calls)] * calls if calls else [])]
-                cached[0] = n + k - 1
-                stats.draft_calls += k
-            drafts = np.array(chain, np.int64)
-            t1 = clock()
-            ids = np.empty((1, k + 1), np.int64)
-            ids[0, 0], ids[0, 1:] = tokens[n - 1], drafts
-            logits = target_forward(ids, np.arange(n - 1, n + k)[None])
-            t2 = clock()
-            stats.rounds += 1
-            stats.target_calls += 1
-            stats.draft_s += t1 - t0
-            stats.verify_s += t2 - t1
-            if policy is not None:
-                self._learn_calls(1, k + 1, t2 - t1, k > 0, 0.0)
-            r.stats.target_calls += 1
-            a, x = r.sampler.verify(drafts, None, logits[0], n)
-            r.stats.rounds += 1
-            r.stats.record_accept(a, k)
-            if k and policy is not None:
-                policy.record_acceptance(k, a)
-            stats.proposed += k
-            stats.accepted += a
-            self._emit(0, r, [*chain[:a], x])
-            valid = min(n + a, int(n_row[0]))  # the cache holds the verified tokens, not the last one
-            self._tc[0] = valid
-            cached[0] = min(int(cached[0]), valid)
-            if policy is not None:
-                self._learn_round(1, k, k > 0, stats.generated_tokens - emitted, clock() - t0)
 
     def _prefill_round(self):
         """Rows [D, B) read their prompts: up to prefill_chunk tokens this round, first come first served.
@@ -909,8 +572,8 @@ class Scheduler:
         ids = np.where(offsets < chunk[:, None], np.take_along_axis(self._tokens[first : first + p], src, axis=1), self.pad_id)
         t0 = time.perf_counter()
         logits = self.target.forward(ids, pos, first_row=first)
+        self.drafter.prefill(ids, pos, first, chunk)
         if self.draft is not None:
-            self.drafter.prefill(ids, pos, first, chunk)
             self._stats.draft_calls += 1
         self._stats.prefill_s += time.perf_counter() - t0
         self._stats.target_calls += 1
@@ -931,58 +594,42 @@ class Scheduler:
         self._decoding += completed
 
     def _emit(self, s, r, new):
-        """Append accepted tokens to row s, stopping at EOS, a stop string, max_new_tokens or capacity."""
-        row_tokens, n = self._tokens[s], self._n
-        text = r.text
-        delta = ""
-        before = r.stats.new_tokens
-        cut = False
-        for tok in new:
-            if r.stats.new_tokens >= r.max_new_tokens:
-                r.finish_reason = "length"
-                break
-            row_tokens[n[s]] = tok
-            n[s] += 1
-            r.stats.new_tokens += 1
-            if tok in self.eos_ids:
-                r.finish_reason = "stop"
-                break
-            if text.stop:
-                # token by token, so a stop string completed mid-block ends the output at that token
-                piece = text.advance(row_tokens, n[s])
-                kept = text.cut_at_stop(piece)
-                if kept is not None:
-                    r.finish_reason = "stop"
-                    delta += kept
-                    cut = True
-                    break
-                delta += piece
-            if n[s] >= self.capacity:
-                r.finish_reason = "length"
-                break
-        else:
-            if r.stats.new_tokens >= r.max_new_tokens:
-                r.finish_reason = "length"
-        if not cut and (not text.stop or r.finish_reason) and (r.streaming or r.finish_reason):
-            delta += text.advance(row_tokens, n[s], final=r.finish_reason is not None)
+        """Accepted tokens join request r in row s: THE place every path hands tokens over. The output's stop rule
+        (output.RequestOutput) takes them up to where the request ends; the row's buffer gets what it took."""
+        out = r.output
+        taken = out.extend(new)
+        n = int(self._n[s])
+        self._tokens[s, n : n + taken] = new[:taken]
+        self._n[s] = n + taken
+        r.stats.new_tokens += taken
+        self._stats.generated_tokens += taken
+        if out.finish_reason is not None:
+            r.finish_reason = out.finish_reason
         now = time.perf_counter()
-        emitted = r.stats.new_tokens - before
-        if r.last_emit is not None and emitted:
-            r.stats.inter_token_s.extend([(now - r.last_emit) / emitted] * emitted)
+        if r.last_emit is not None and taken:
+            r.stats.inter_token_s.extend([(now - r.last_emit) / taken] * taken)
         r.last_emit = now
-        self._stats.generated_tokens += emitted
-        if delta:
-            r.sink(("delta", delta))
+        if r.streaming:
+            delta = out.delta()
+            if delta:
+                r.sink(("delta", delta))
 
-    def _finish(self, r, token_ids):
-        r.token_ids = token_ids
+    def _finish(self, r, output):
         r.stats.elapsed_s = time.perf_counter() - r.submitted
-        text = r.text.text if r.text is not None else ""
         if r.finish_reason == "cancelled":
             self._stats.requests_cancelled += 1
         else:
             self._stats.requests_finished += 1
-        r.sink(("done", GenerationResult(text, token_ids, r.finish_reason, r.stats)))
+        if output is None:  # cancelled before it had a row
+            result = GenerationResult("", [], r.finish_reason, r.stats)
+        else:
+            output.finish(r.finish_reason)
+            if r.streaming:  # what a stream has not had yet: a held-back partial stop string, a cancelled row's rest
+                delta = output.delta()
+                if delta:
+                    r.sink(("delta", delta))
+            result = GenerationResult(output.text, list(output.token_ids), r.finish_reason, r.stats)
+        r.sink(("done", result))
 
     def _retire(self):
         """Finished rows leave: their KV slots go to the prefix cache; the rows after them close the gap."""
@@ -992,20 +639,13 @@ class Scheduler:
             if r.finish_reason is None:
                 s += 1
                 continue
-            plen = r.prompt_ids.size
-            n = int(self._n[s])
             if self.prefix_cache is not None and r.finish_reason != "cancelled":
-                keep = min(int(self._tc[s]), n)
+                keep = min(int(self._tc[s]), int(self._n[s]))
                 if keep >= self.prefix_cache.min_tokens:
                     t_block = self.target.save_prefix(s, keep)
-                    d_block = None
-                    if self.draft is not None:
-                        d_keep = min(int(self.drafter.cached[s]), keep)
-                        d_block = self.draft.save_prefix(s, d_keep) if d_keep else None
+                    d_block = self.drafter.save_prefix(s, keep)
                     self.prefix_cache.add(self._tokens[s, :keep], t_block, d_block, pinned=r.prefix_only)
-            if not r.streaming and r.text is not None:  # e.g. cancelled between rounds: its text so far
-                r.text.advance(self._tokens[s], n, final=True)
-            self._finish(r, self._tokens[s, plen:n].tolist())
+            self._finish(r, r.output)
             with self._cv:
                 self._remove_row(s)
 
@@ -1031,7 +671,3 @@ class Scheduler:
         self._tc[dst] = self._tc[src]
         self._rows[dst] = self._rows[src]
 
-
-def _head(block, n):
-    """The first n slots of a saved prefix block."""
-    return SavedPrefix([p[:, :n] for p in block.parts])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..errors import TrtspecError
+from .tokenizer import load_tokenizer
 
 
 class VocabularyMismatchError(TrtspecError, ValueError):
@@ -29,9 +30,7 @@ def check_same_vocabulary(target, draft) -> None:
 
 
 def _describe_tokenizer_difference(target, draft) -> str:
-    from .generator import _load_tokenizer
-
-    tv, dv = _load_tokenizer(target).get_vocab(), _load_tokenizer(draft).get_vocab()
+    tv, dv = load_tokenizer(target).get_vocab(), load_tokenizer(draft).get_vocab()
     if len(tv) != len(dv):
         return f"tokenizer vocabularies have {len(tv)} vs {len(dv)} tokens"
     differ = sorted(tok for tok in tv.keys() | dv.keys() if tv.get(tok) != dv.get(tok))

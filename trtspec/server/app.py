@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import CapacityError
-from ..runtime.scheduler import RequestFailedError
+from ..runtime.request import RequestFailedError
 from .metrics import Metrics
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, unsupported
 
@@ -136,7 +136,8 @@ def create_app(scheduler, *, model_name: str, api_key: str | None = None, max_qu
                            f"{scheduler.capacity}-token context; ask for at most {room}", param="max_tokens",
                            code="context_length_exceeded")
         params = dict(max_new_tokens=max_tokens, temperature=temperature, seed=body.seed, stop=body.stop,
-                      priority=body.priority, num_draft_tokens=body.num_draft_tokens,
+                      include_stop_str_in_output=body.include_stop_str_in_output, priority=body.priority,
+                      num_draft_tokens=body.num_draft_tokens,
                       top_p=body.top_p if sampled and body.top_p not in (None, 1, 1.0) else None,
                       top_k=body.top_k if sampled and body.top_k not in (None, 0) else None)
         if isinstance(params["stop"], list) and len(params["stop"]) > 4:

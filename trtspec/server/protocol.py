@@ -36,6 +36,7 @@ class _Sampling(BaseModel):
     top_k: int | None = None
     priority: int = 0
     num_draft_tokens: int | None = Field(default=None, ge=0)
+    include_stop_str_in_output: bool = False  # vLLM's name: keep the matched stop string at the end of the text
 
 
 class CompletionRequest(_Sampling):

@@ -37,7 +37,9 @@ except ImportError as exc:  # pragma: no cover - the message is the point
     ) from exc
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 
-from ..runtime.scheduler import GenerationResult, RequestFailedError, RequestStats, Scheduler, encode_prompt
+from ..runtime.request import GenerationResult, RequestFailedError, RequestStats
+from ..runtime.scheduler import Scheduler
+from ..runtime.tokenizer import encode_prompt
 from .app import create_app
 from .protocol import APIError
 from .routing import PrefixIndex

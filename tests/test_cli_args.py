@@ -1,0 +1,47 @@
+"""Argument parsing of `trtspec` (parse only: nothing is loaded or run)."""
+
+from __future__ import annotations
+
+import pytest
+
+from trtspec.cli import build_parser
+
+REQUIRED = {"generate": ["--target", "t", "--prompt", "p"], "serve": ["--target", "t"]}
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_k_policy_is_one_flag_with_one_default(command):
+    parser = build_parser()
+    args = parser.parse_args([command, *REQUIRED[command]])
+    assert args.k_policy == "load-aware" and args.num_draft_tokens == 4
+    args = parser.parse_args([command, *REQUIRED[command], "--k-policy", "fixed", "-k", "6"])
+    assert args.k_policy == "fixed" and args.num_draft_tokens == 6
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+@pytest.mark.parametrize("bad", [["--adaptive-k"], ["--k-policy", "adaptive"]])
+def test_adaptive_k_and_unknown_policies_are_refused(command, bad, capsys):
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args([command, *REQUIRED[command], *bad])
+    assert exc.value.code == 2
+    assert bad[0] in capsys.readouterr().err
+
+
+def test_generate_and_serve_share_their_engine_arguments():
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command").choices
+
+    def engine_options(command):
+        return {(tuple(a.option_strings), a.default, tuple(a.choices or ()), a.help)
+                for a in sub[command]._actions
+                if a.dest in ("target", "draft", "drafter", "num_draft_tokens", "k_policy", "threads")}
+
+    assert len(engine_options("generate")) == 6
+    assert engine_options("generate") == engine_options("serve")
+
+
+def test_the_cli_offers_the_schedulers_k_policies():
+    from trtspec import cli
+    from trtspec.runtime.scheduler import K_POLICIES
+
+    assert cli.K_POLICIES == K_POLICIES

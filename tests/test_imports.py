@@ -1,0 +1,169 @@
+"""No import cycles between trtspec's modules, lazy (function-level) imports included: they only hide a cycle."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "trtspec"
+
+
+def module_files(package: Path = PACKAGE) -> dict[str, Path]:
+    """Dotted module name -> file, for every module under ``package`` (a package's __init__.py is the package)."""
+    modules = {}
+    for path in sorted(package.rglob("*.py")):
+        parts = path.relative_to(package.parent).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        modules[".".join(parts)] = path
+    return modules
+
+
+def _is_package(modules: dict[str, Path], name: str) -> bool:
+    return modules[name].name == "__init__.py"
+
+
+def import_graph(modules: dict[str, Path]) -> dict[str, dict[str, list[int]]]:
+    """module -> {imported trtspec module: line numbers}, from every import statement in the module's source.
+
+    ``import a.b`` is an edge to a.b; ``from a import b`` to a.b if that is a module, else to a; relative
+    imports are resolved against the importing module's package. No implicit edges to parent packages.
+    """
+    root = PACKAGE.name
+    graph: dict[str, dict[str, list[int]]] = {}
+
+    def nearest_module(name: str) -> str | None:  # the longest prefix of a dotted name that is one of ours
+        parts = name.split(".")
+        for end in range(len(parts), 0, -1):
+            if ".".join(parts[:end]) in modules:
+                return ".".join(parts[:end])
+        return None
+
+    for name, path in modules.items():
+        edges = graph.setdefault(name, {})
+        package = name if _is_package(modules, name) else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets: list[str | None] = []
+            if isinstance(node, ast.Import):
+                targets = [nearest_module(alias.name) for alias in node.names if alias.name.split(".")[0] == root]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base_parts = package.split(".")
+                    base_parts = base_parts[: len(base_parts) - (node.level - 1)]
+                    base = ".".join(base_parts + ([node.module] if node.module else []))
+                else:
+                    base = node.module or ""
+                if base.split(".")[0] != root:
+                    continue
+                for alias in node.names:
+                    submodule = f"{base}.{alias.name}"
+                    targets.append(submodule if submodule in modules else nearest_module(base))
+            for target in targets:
+                if target is not None:
+                    edges.setdefault(target, []).append(node.lineno)
+    return graph
+
+
+def _strongly_connected(graph: dict[str, dict[str, list[int]]]) -> list[list[str]]:
+    """Tarjan's strongly connected components (iterative), each sorted."""
+    index, low, on_stack, stack, components, counter = {}, {}, set(), [], [], [0]
+
+    def visit(start: str) -> None:
+        work = [(start, iter(sorted(graph.get(start, {}))))]
+        index[start] = low[start] = counter[0]
+        counter[0] += 1
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    components.append(sorted(component))
+            elif child not in index:
+                index[child] = low[child] = counter[0]
+                counter[0] += 1
+                stack.append(child)
+                on_stack.add(child)
+                work.append((child, iter(sorted(graph.get(child, {})))))
+            elif child in on_stack:
+                low[node] = min(low[node], index[child])
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return components
+
+
+def find_cycles(graph: dict[str, dict[str, list[int]]], limit: int = 200) -> list[list[str]]:
+    """The elementary cycles, each as [a, b, ..., a] starting from its smallest module (at most ``limit``)."""
+    cycles = []
+    for component in _strongly_connected(graph):
+        members = set(component)
+        if len(component) == 1 and component[0] not in graph.get(component[0], {}):
+            continue
+        for start in component:  # cycles through start and only members after it: each cycle found once
+            allowed = {m for m in members if m >= start}
+            path, stack = [start], [iter(sorted(t for t in graph[start] if t in allowed))]
+            while stack and len(cycles) < limit:
+                child = next(stack[-1], None)
+                if child is None:
+                    stack.pop()
+                    path.pop()
+                elif child == start:
+                    cycles.append([*path, start])
+                elif child not in path:
+                    path.append(child)
+                    stack.append(iter(sorted(t for t in graph[child] if t in allowed)))
+    return sorted(cycles)
+
+
+def describe(cycle: list[str], graph: dict[str, dict[str, list[int]]], modules: dict[str, Path]) -> str:
+    """``a -> b -> a`` and, per edge, where the import is (file:line)."""
+    where = []
+    for a, b in zip(cycle, cycle[1:]):
+        lines = ",".join(str(n) for n in sorted(set(graph[a][b])))
+        where.append(f"    {a} -> {b}: {modules[a].relative_to(PACKAGE.parent)}:{lines}")
+    return " -> ".join(cycle) + "\n" + "\n".join(where)
+
+
+def test_the_import_graph_sees_lazy_relative_and_package_imports():
+    modules = module_files()
+    graph = import_graph(modules)
+    # a package's __init__ is its own node, with no implicit edge to or from its submodules
+    assert "trtspec.engines" in graph and "trtspec.engines.base" in graph["trtspec.engines"]
+    # a lazy import inside load_engine, resolved relative to the package
+    assert "trtspec.engines.onnxruntime" in graph["trtspec.engines"]
+    # `from ..errors import X` is an edge to the module errors, `from .profiles import f` to engines.profiles
+    assert {"trtspec.errors", "trtspec.engines.profiles"} <= set(graph["trtspec.engines.tensorrt"])
+
+
+def test_engines_do_not_import_the_builder():
+    """The builder writes plans for the engines and may import them; the engines never import the builder."""
+    graph = import_graph(module_files())
+    wrong = {m: sorted(t for t in graph[m] if t.startswith("trtspec.builder")) for m in graph
+             if m.startswith("trtspec.engines")}
+    assert not {m: t for m, t in wrong.items() if t}
+
+
+def test_find_cycles_reports_each_elementary_cycle_once():
+    graph = {"a": {"b": [1]}, "b": {"a": [2], "c": [3]}, "c": {"a": [4]}, "d": {"d": [5]}, "e": {"a": [6]}}
+    assert find_cycles(graph) == [["a", "b", "a"], ["a", "b", "c", "a"], ["d", "d"]]
+
+
+def test_no_import_cycles_between_trtspec_modules():
+    modules = module_files()
+    graph = import_graph(modules)
+    cycles = find_cycles(graph)
+    assert not cycles, f"{len(cycles)} import cycle(s) between trtspec modules:\n" + "\n".join(
+        describe(c, graph, modules) for c in cycles)

@@ -1,0 +1,274 @@
+"""A request's life outside the engines: its state, the handles a caller holds, its results and statistics."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import asdict, dataclass, field
+
+
+class RequestFailedError(RuntimeError):
+    """An engine call failed while this request was running (other requests are not affected)."""
+
+
+@dataclass
+class RequestStats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    elapsed_s: float = 0.0  # from submission to the last token
+    queue_s: float = 0.0  # from submission to admission into an engine row
+    time_to_first_token_s: float = 0.0  # from submission
+    inter_token_s: list[float] = field(default_factory=list)  # per token after the first: block gap / block size
+    prefix_tokens_reused: int = 0
+    target_calls: int = 0  # prefill chunks included
+    rounds: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    rejected: int = 0  # rounds that ended at a rejected draft (the rest accepted all they proposed)
+    accepted_histogram: list[int] = field(default_factory=list)  # rounds that accepted i drafts, i = 0..k
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def token_acceptance(self) -> float:
+        """Per-token acceptance probability alpha: accepted / drafts actually checked (DESIGN.md §4)."""
+        checked = self.accepted + self.rejected
+        return self.accepted / checked if checked else 0.0
+
+    @property
+    def mean_tokens_per_target_call(self) -> float:
+        return self.new_tokens / self.target_calls if self.target_calls else 0.0
+
+    def record_accept(self, accepted: int, proposed: int):
+        if proposed == 0:  # a plain decoding round: nothing was up for acceptance
+            return
+        self.proposed += proposed
+        self.accepted += accepted
+        self.rejected += accepted < proposed
+        if len(self.accepted_histogram) <= accepted:
+            self.accepted_histogram.extend([0] * (accepted + 1 - len(self.accepted_histogram)))
+        self.accepted_histogram[accepted] += 1
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(
+            tokens_per_s=self.tokens_per_s,
+            acceptance_rate=self.acceptance_rate,
+            token_acceptance=self.token_acceptance,
+            mean_tokens_per_target_call=self.mean_tokens_per_target_call,
+        )
+        return d
+
+
+@dataclass
+class GenerationResult:
+    """One request's output.
+
+    ``text`` ends before the first stop string (or after it, with ``include_stop_str_in_output``); ``token_ids``
+    end where the text ends: an EOS is not included, the token that completed a stop string is (its text may
+    run past the stop string). ``finish_reason``: "stop" (an EOS or a stop string), "length" (max_new_tokens or
+    the engines' capacity), "cancelled". ``stats.new_tokens == len(token_ids)``.
+    """
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    stats: RequestStats
+    replica: str | None = None  # the server replica that produced it (set by the Ray Serve front)
+
+
+@dataclass
+class EngineWork:
+    """Engine calls and where their time went: a scheduler's since it was made, or while a batch ran."""
+
+    draft_calls: int = 0
+    prefill_s: float = 0.0  # rounds that carried prompt chunks (their target call)
+    draft_s: float = 0.0
+    verify_s: float = 0.0  # target calls of rounds without prompt chunks
+
+
+@dataclass
+class SchedulerStats(EngineWork):
+    """Counters of one scheduler since it was made (a snapshot)."""
+
+    running: int = 0
+    waiting: int = 0
+    rounds: int = 0
+    target_calls: int = 0
+    requests_finished: int = 0
+    requests_cancelled: int = 0
+    requests_failed: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefix_hits: int = 0
+    prefix_misses: int = 0
+    prefix_tokens_reused: int = 0
+    prefix_cache_bytes: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    k_histogram: dict[int, int] = field(default_factory=dict)  # rounds that chose k
+
+
+@dataclass
+class BatchStats(EngineWork, RequestStats):
+    """A generate() call's totals: its requests' counts, and the scheduler's work while it ran
+    (which includes other callers' requests sharing the rounds)."""
+
+    requests: int = 0
+    other_s: float = 0.0
+    k_chosen: list[int] = field(default_factory=list)  # k per round
+
+    @classmethod
+    def of(cls, results, before: SchedulerStats, after: SchedulerStats, elapsed_s: float, k_chosen: list[int]):
+        """Sum the requests' counts; the engine work is the scheduler's between ``before`` and ``after``."""
+        stats = cls(requests=len(results), elapsed_s=elapsed_s, k_chosen=k_chosen)
+        for r in results:
+            for name in ("new_tokens", "prompt_tokens", "proposed", "accepted", "rejected"):
+                setattr(stats, name, getattr(stats, name) + getattr(r.stats, name))
+            for i, count in enumerate(r.stats.accepted_histogram):
+                if len(stats.accepted_histogram) <= i:
+                    stats.accepted_histogram.append(0)
+                stats.accepted_histogram[i] += count
+        stats.time_to_first_token_s = min(r.stats.time_to_first_token_s for r in results)
+        for name in ("target_calls", "rounds", "draft_calls", "prefill_s", "draft_s", "verify_s"):
+            setattr(stats, name, getattr(after, name) - getattr(before, name))
+        stats.other_s = max(0.0, elapsed_s - stats.prefill_s - stats.draft_s - stats.verify_s)
+        return stats
+
+
+class Request:
+    """One request's state; lives in an engine row while it runs."""
+
+    __slots__ = ("id", "seq", "prompt_ids", "max_new_tokens", "stop", "include_stop", "k", "priority", "sampler",
+                 "sink", "submitted", "admitted", "last_emit", "cancelled", "prefix_only", "stats", "output",
+                 "finish_reason", "streaming")
+
+    def __init__(self, seq, prompt_ids, max_new_tokens, stop, include_stop, k, priority, sampler, sink,
+                 prefix_only=False):
+        self.id = f"req-{uuid.uuid4().hex[:16]}"
+        self.seq = seq
+        self.prompt_ids = prompt_ids
+        self.max_new_tokens = max_new_tokens
+        self.stop = stop
+        self.include_stop = include_stop
+        self.k = k
+        self.priority = priority
+        self.sampler = sampler
+        self.sink = sink
+        self.submitted = time.perf_counter()
+        self.admitted = None
+        self.last_emit = None
+        self.cancelled = False
+        self.prefix_only = prefix_only
+        self.stats = RequestStats(prompt_tokens=int(prompt_ids.size))
+        self.output = None  # output.RequestOutput, made when the request takes an engine row
+        self.finish_reason = None
+        self.streaming = True  # False: nobody reads text deltas, the text is decoded once when it finishes
+
+
+class RequestHandle:
+    """A submitted request: iterate for text deltas, ``result()`` for the GenerationResult, ``cancel()`` to stop it.
+
+    Deltas are buffered here; only a thread iterating the handle is woken for each one, so a caller
+    waiting on ``result()`` does not take CPU from the engine loop every round.
+    """
+
+    def __init__(self, scheduler, request):
+        self._scheduler = scheduler
+        self._request = request
+        self.id = request.id
+        self._cond = threading.Condition()
+        self._deltas: deque[str] = deque()
+        self._done = threading.Event()
+        self._result = None
+        self._error = None
+
+    def _push(self, event):
+        kind, value = event
+        with self._cond:
+            if kind == "delta":
+                self._deltas.append(value)
+            elif kind == "done":
+                self._result = value
+            else:
+                self._error = value
+            if kind != "delta":
+                self._done.set()
+            self._cond.notify_all()
+
+    def __iter__(self):
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._deltas or self._done.is_set())
+                deltas = list(self._deltas)
+                self._deltas.clear()
+                done = self._done.is_set()
+            yield from deltas
+            if done:
+                break
+        if self._error is not None:
+            raise self._error
+
+    def result(self, timeout: float | None = None) -> GenerationResult:
+        """Wait for the request to finish (raises what failed it)."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.id} did not finish within {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def cancel(self):
+        """Stop the request: its row is freed within one round; it ends with finish_reason "cancelled"."""
+        self._scheduler._cancel(self._request)
+
+
+class AsyncRequestHandle:
+    """A request submitted from a coroutine. Leaving the ``async for`` early cancels the request."""
+
+    def __init__(self, scheduler, request):
+        self._scheduler = scheduler
+        self._request = request
+        self.id = request.id
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self.result: GenerationResult | None = None
+
+    async def start(self):
+        """Nothing to wait for here (the request is queued); a remote handle's ``start`` waits to be routed."""
+
+    async def __aiter__(self):
+        """Text deltas; what has arrived together comes as one piece, and when that includes the end,
+        ``result`` is already set as the last piece is handed out."""
+        try:
+            while True:
+                events = [await self._queue.get()]
+                while not self._queue.empty():
+                    events.append(self._queue.get_nowait())
+                text = "".join(v for k, v in events if k == "delta")
+                kind, value = events[-1]
+                if kind == "error":
+                    raise value
+                if kind == "done":
+                    self.result = value
+                if text:
+                    yield text
+                if kind == "done":
+                    return
+        finally:
+            if self.result is None and self._request.finish_reason is None:
+                self.cancel()  # the consumer went away (or was cancelled): free the row
+
+    def cancel(self):
+        self._scheduler._cancel(self._request)
