@@ -149,7 +149,7 @@ def test_the_cases_cover_what_the_rule_must_handle(pair, cases):
     assert any(len(tok.decode(c[3][1])) > len(c[3][0]) + max(map(len, c[1])) for c in fired)
 
 
-def _check(results, cases, path, usage=None):
+def _check(results, cases, path):
     wrong = []
     for (text, token_ids, reason), (prompt, stops, include, want, name) in zip(results, cases):
         if (text, reason) != (want[0], want[2]) or (token_ids is not None and list(token_ids) != want[1]):
