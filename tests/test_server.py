@@ -148,8 +148,21 @@ def test_16_concurrent_streams_through_4_rows_each_equal_the_request_alone(serve
 @pytest.mark.parametrize(
     "body, message",
     [
-        ({"n": 2}, "n=2 is not supported"),
-        ({"logprobs": 3}, "logprobs are not supported"),
+        ({"n": 0}, "n: Input should be greater than or equal to 1"),
+        ({"logprobs": 21}, "logprobs: Input should be less than or equal to 20"),
+        ({"presence_penalty": 2.5}, "presence_penalty: Input should be less than or equal to 2"),
+        ({"frequency_penalty": "x"}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty: Input should be greater than 0"),
+        ({"logit_bias": {"99999": 5}}, "logit_bias key '99999' is not a token id of this model"),
+        ({"logit_bias": {"5": 150}}, "logit_bias values must be numbers in [-100, 100]"),
+        ({"min_tokens": 9}, "min_tokens=9 exceeds max_tokens=4"),
+        ({"response_format": {"type": "xml"}}, "unknown response_format type 'xml'"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}},
+         "Invalid type: bogus"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nope"}}}},
+         "/nope"),
+        ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "send one"),
+        ({"best_of": 3}, "best_of is not supported"),
         ({"model": "gpt-4"}, "model 'gpt-4' is not served here; this server serves 'tiny'"),
         ({"prompt": "word " * 200}, "but the engine holds 128 positions"),
         ({"max_tokens": "many"}, "max_tokens"),
@@ -299,13 +312,15 @@ def _hostile_requests():
     variants = [
         {"max_tokens": "4"}, {"max_tokens": 10**12}, {"max_tokens": -5}, {"max_tokens": 0}, {"max_tokens": 4.5},
         {"temperature": "hot"}, {"temperature": -0.1}, {"top_p": -1}, {"top_p": 0}, {"top_p": 2},
-        {"top_k": -3}, {"seed": "x"}, {"seed": 1.5}, {"stop": 5}, {"stop": [""]}, {"stop": [1, 2]}, {"n": 3},
-        {"n": 0}, {"logprobs": 5}, {"echo": True}, {"best_of": 2}, {"prompt": None}, {"prompt": 5},
+        {"top_k": -3}, {"seed": "x"}, {"seed": 1.5}, {"stop": 5}, {"stop": [""]}, {"stop": [1, 2]}, {"n": 100},
+        {"n": 0}, {"logprobs": -1}, {"echo": "yes"}, {"best_of": 2}, {"prompt": None}, {"prompt": 5},
         {"prompt": {"text": "hi"}}, {"prompt": [1.5, 2]}, {"prompt": [-1, 5]}, {"prompt": [10**9]}, {"prompt": []},
         {"prompt": ["a", "b", "c"]}, {"prompt": "x" * (1 << 20)}, {"model": None}, {"model": ""}, {"model": "other"},
         {"stream": "yes"}, {"stream_options": 5}, {"priority": "urgent"}, {"num_draft_tokens": -1},
-        {"num_draft_tokens": 10**6}, {"unknown_field": 1}, {"presence_penalty": 1.0}, {"logit_bias": {"5": 100}},
-        {"frequency_penalty": -2},
+        {"num_draft_tokens": 10**6}, {"unknown_field": 1}, {"presence_penalty": 9.0}, {"logit_bias": {"x": 100}},
+        {"logit_bias": [5]}, {"frequency_penalty": "-2"}, {"min_tokens": -1}, {"response_format": "json"},
+        {"response_format": {"type": "json_schema"}}, {"response_format": {"type": "regex", "regex": "("}},
+        {"guided_json": "{not json"},
     ]
     for v in variants:
         body = {**good, **v}

@@ -118,7 +118,7 @@ class DraftModelDrafter:
         # First one call catches every row up with the tokens its cache lacks (the last one or two, more after
         # rounds without drafting); then k - 1 one-token calls extend the drafts.
         b = n.size
-        if b == 1 and samplers[0].mode == "greedy":
+        if b == 1 and samplers[0].plain and samplers[0].mode == "greedy":
             return self._greedy_chain(tokens[0], int(n[0]), int(caps[0]))
         cached = self.cached[:b]
         # pads sit beyond each row's cached tokens, where the mask hides them and later writes overwrite them

@@ -17,6 +17,30 @@ of those starting there). Tokens after the end are neither returned nor counted.
 from __future__ import annotations
 
 
+class Piece(str):
+    """A streamed text delta that carries the log-probability entries of the tokens it completes (logprobs)."""
+
+    logprobs: list = []
+    prompt_logprobs: list | None = None  # the first piece of a request with prompt_logprobs: the prompt's entries
+
+    @classmethod
+    def of(cls, text: str, logprobs: list, prompt_logprobs: list | None = None) -> Piece:
+        piece = cls(text)
+        piece.logprobs = logprobs
+        piece.prompt_logprobs = prompt_logprobs
+        return piece
+
+    @staticmethod
+    def join(pieces) -> str:
+        """Several deltas as one (their entries concatenated, when they carry any)."""
+        text = "".join(pieces)
+        if not any(isinstance(p, Piece) for p in pieces):
+            return text
+        entries = [e for p in pieces for e in getattr(p, "logprobs", ())]
+        return Piece.of(text, entries, next((p.prompt_logprobs for p in pieces if getattr(p, "prompt_logprobs", None)),
+                                            None))
+
+
 class RequestOutput:
     """One request's generated tokens and text; ``finish_reason`` is set once the output has ended."""
 
@@ -36,6 +60,10 @@ class RequestOutput:
         self.include_stop = include_stop
         self.streaming = streaming  # False: nobody reads deltas; decode only where stop strings need it
         self.token_ids: list[int] = []
+        self.logprobs: list | None = None  # one entry per token when the request asked for logprobs
+        self.prompt_logprobs: list | None = None  # the prompt's entries (prompt_logprobs), sent with the first piece
+        self._lp_sent = 0
+        self._pieces = 0
         self.finish_reason: str | None = None
         self._text = ""  # the text of token_ids[: _read]
         self._prefix = 0  # decoding window [_prefix, end): its first tokens only give the context of the rest
@@ -86,6 +114,18 @@ class RequestOutput:
         piece = text[self._sent : end]
         self._sent = max(self._sent, end)
         return piece
+
+    def piece(self, text: str) -> str:
+        """A delta for the stream: with logprobs, it carries the entries of the tokens not streamed before."""
+        if self.logprobs is None:
+            return text
+        entries = self.logprobs[self._lp_sent :]
+        self._lp_sent = len(self.logprobs)
+        self._pieces += 1
+        return Piece.of(text, entries, self.prompt_logprobs if self._pieces == 1 else None)
+
+    def unsent_logprobs(self) -> bool:
+        return self.logprobs is not None and self._lp_sent < len(self.logprobs)
 
     def finish(self, reason: str):
         """End the output from outside (cancelled): what was generated so far stays."""

@@ -9,6 +9,8 @@ import uuid
 from collections import deque
 from dataclasses import asdict, dataclass, field
 
+from .output import Piece
+
 
 class RequestFailedError(RuntimeError):
     """An engine call failed while this request was running (other requests are not affected)."""
@@ -29,6 +31,7 @@ class RequestStats:
     accepted: int = 0
     rejected: int = 0  # rounds that ended at a rejected draft (the rest accepted all they proposed)
     accepted_histogram: list[int] = field(default_factory=list)  # rounds that accepted i drafts, i = 0..k
+    forced_tokens: int = 0  # tokens a grammar forced, verified without drafting (jump-forward)
 
     @property
     def tokens_per_s(self) -> float:
@@ -84,6 +87,9 @@ class GenerationResult:
     finish_reason: str
     stats: RequestStats
     replica: str | None = None  # the server replica that produced it (set by the Ray Serve front)
+    # with logprobs: per token (token id, log-probability, [(token id, log-probability), ...] most likely first)
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None  # with prompt_logprobs: per prompt token (None for the first)
 
 
 @dataclass
@@ -150,7 +156,8 @@ class Request:
 
     __slots__ = ("id", "seq", "prompt_ids", "max_new_tokens", "stop", "include_stop", "k", "priority", "sampler",
                  "sink", "submitted", "admitted", "last_emit", "cancelled", "prefix_only", "stats", "output",
-                 "finish_reason", "streaming")
+                 "finish_reason", "streaming", "prompt_logprobs", "prompt_entries", "leader", "shared_prefix",
+                 "prompt_read")
 
     def __init__(self, seq, prompt_ids, max_new_tokens, stop, include_stop, k, priority, sampler, sink,
                  prefix_only=False):
@@ -173,6 +180,13 @@ class Request:
         self.output = None  # output.RequestOutput, made when the request takes an engine row
         self.finish_reason = None
         self.streaming = True  # False: nobody reads text deltas, the text is decoded once when it finishes
+        self.prompt_logprobs = None  # N: log-probabilities of the prompt's tokens (and N alternatives) too
+        self.prompt_entries = None
+        # n samples of one prompt: the others wait for the first ("leader") to read the prompt, then start from
+        # a copy of its cache slots (shared_prefix: (tokens, target block, draft block))
+        self.leader = None
+        self.shared_prefix = None
+        self.prompt_read = False
 
 
 class RequestHandle:
@@ -256,7 +270,7 @@ class AsyncRequestHandle:
                 events = [await self._queue.get()]
                 while not self._queue.empty():
                     events.append(self._queue.get_nowait())
-                text = "".join(v for k, v in events if k == "delta")
+                text = Piece.join([v for k, v in events if k == "delta"])
                 kind, value = events[-1]
                 if kind == "error":
                     raise value

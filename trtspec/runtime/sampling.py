@@ -1,7 +1,8 @@
 """Turning logits into token choices: greedy, or temperature / top-k / top-p sampling.
 
 Speculative sampling needs the draft's and the target's distributions processed
-identically (DESIGN.md §4), so both go through ``SamplingParams.probs``.
+identically (DESIGN.md §4), so both go through ``SamplingParams.probs`` — after the request's own logits
+processing (logit_bias, min_tokens, penalties, grammar: runtime/logits.py), applied alike to both.
 """
 
 from __future__ import annotations
@@ -17,6 +18,13 @@ class SamplingParams:
     top_k: int | None = None
     top_p: float | None = None
     seed: int | None = None
+    # logits processing (runtime/logits.py), OpenAI's and vLLM's meanings
+    presence_penalty: float = 0.0  # minus this for every token already generated
+    frequency_penalty: float = 0.0  # minus this times how often a token was generated
+    repetition_penalty: float = 1.0  # tokens of the prompt or the output: logit / r if > 0, else logit * r
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), each in [-100, 100]
+    min_tokens: int = 0  # no EOS before this many tokens
+    logprobs: int | None = None  # None: none; N >= 0: each token's log-probability and the N most likely
 
     def __post_init__(self):
         t = self.temperature
@@ -28,6 +36,29 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1] (or None to disable it), got {self.top_p!r}")
         if self.greedy and (self.top_k is not None or self.top_p is not None):
             raise ValueError("top_k/top_p only apply when sampling; set temperature > 0 to sample")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _number(v) or not -2 <= v <= 2:
+                raise ValueError(f"{name} must be a number in [-2, 2] (0 disables it), got {v!r}")
+        r = self.repetition_penalty
+        if not _number(r) or not 0 < r <= 10:
+            raise ValueError(f"repetition_penalty must be a number in (0, 10] (1 disables it), got {r!r}")
+        for token, bias in self.logit_bias:
+            if not isinstance(token, (int, np.integer)) or isinstance(token, bool) or token < 0:
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+            if not _number(bias) or not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {token}")
+        if not isinstance(self.min_tokens, (int, np.integer)) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        lp = self.logprobs
+        if lp is not None and (not isinstance(lp, (int, np.integer)) or isinstance(lp, bool) or not 0 <= lp <= 20):
+            raise ValueError(f"logprobs must be an integer in [0, 20] (alternatives per token) or None, got {lp!r}")
+
+    @property
+    def processed(self) -> bool:
+        """Whether the logits are changed before temperature (runtime/logits.py has work to do)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+                    or self.logit_bias or self.min_tokens)
 
     @property
     def greedy(self) -> bool:
@@ -54,6 +85,33 @@ class SamplingParams:
             p = np.where(drop, 0.0, p)
             p /= p.sum(axis=-1, keepdims=True)
         return p
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool) and bool(np.isfinite(v))
+
+
+def log_probs(params: SamplingParams, logits: np.ndarray) -> np.ndarray:
+    """The log-probabilities a request reports (logprobs): those of the distribution its tokens are drawn from —
+    after its logits processing, temperature, top-k and top-p — and for greedy requests the log-softmax of
+    the processed logits (temperature 1, nothing filtered)."""
+    # logits [V] -> [V] float64 (-inf where a token cannot be drawn)
+    if params.greedy:
+        x = logits.astype(np.float64)
+        x = x - x.max()
+        return x - np.log(np.exp(x).sum())
+    with np.errstate(divide="ignore"):
+        return np.log(params.probs(logits))
+
+
+def logprob_entry(lp: np.ndarray, token: int, n: int) -> tuple[int, float, list[tuple[int, float]]]:
+    """(token, its log-probability, the n most likely tokens with theirs, most likely first) from lp [V]."""
+    top = []
+    if n:
+        ids = np.argpartition(-lp, n - 1)[:n] if n < lp.size else np.arange(lp.size)
+        ids = ids[np.argsort(-lp[ids], kind="stable")]
+        top = [(int(t), float(lp[t])) for t in ids]
+    return int(token), float(lp[token]), top
 
 
 def sample(probs: np.ndarray, rng: np.random.Generator) -> int:

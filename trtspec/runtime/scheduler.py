@@ -37,6 +37,8 @@ from ..engines import load_engine
 from ..engines.base import greedy_steps, lease
 from .adaptive import LoadAwareK
 from .drafters import Drafter, DraftModelDrafter, NoDrafter, PromptLookupDrafter, Proposal
+from .grammar import GrammarCompiler
+from .logits import LogitsProcessor
 from .output import RequestOutput
 from .prefix_cache import PrefixCache
 from .request import (
@@ -47,7 +49,7 @@ from .request import (
     RequestHandle,
     SchedulerStats,
 )
-from .sampling import SamplingParams
+from .sampling import SamplingParams, log_probs, logprob_entry
 from .self_draft import SELF, self_draft
 from .speculative import SPECULATIVE_SAMPLING, RowSampler
 from .tokenizer import encode_prompt, load_tokenizer
@@ -173,6 +175,7 @@ class Scheduler:
         # one without a drafter in the engine's own loop (_decode_alone); False sends every round through the
         # whole loop (the same tokens and statistics; tests and benchmarks compare the two)
         self.lone_row_loops = True
+        self._grammars: GrammarCompiler | None = None
 
     def _check_k(self, k, allow_any=False):
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
@@ -190,8 +193,17 @@ class Scheduler:
 
     def make_request(self, prompt, *, max_new_tokens=128, temperature=0.0, top_k=None, top_p=None, seed=None,
                      stop=None, include_stop_str_in_output=False, num_draft_tokens=None, priority=0, sink=None,
-                     prefix_only=False) -> Request:
-        """Validate everything about one request (raising the user's error) without queuing it."""
+                     prefix_only=False, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0,
+                     logit_bias=None, min_tokens=0, logprobs=None, prompt_logprobs=None,
+                     response_format=None) -> Request:
+        """Validate everything about one request (raising the user's error) without queuing it.
+
+        Logits processing (runtime/logits.py, applied alike to the target and the draft, so speculation stays
+        lossless): ``presence_penalty``/``frequency_penalty`` (OpenAI's), ``repetition_penalty`` (vLLM's),
+        ``logit_bias`` ({token id: bias in [-100, 100]}), ``min_tokens`` (no EOS before), ``response_format``
+        (structured output, runtime/grammar.py). ``logprobs`` N: each token's log-probability and the N most
+        likely (sampling.log_probs says which distribution); ``prompt_logprobs`` N: the prompt's tokens' too.
+        """
         if not prefix_only and (not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool)
                                 or max_new_tokens < 1):
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
@@ -204,7 +216,14 @@ class Scheduler:
             raise ValueError(f"seed must be an integer, got {seed!r}")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer, got {priority!r}")
-        params = SamplingParams(temperature, top_k, top_p, seed)
+        bias = self._logit_bias(logit_bias)
+        params = SamplingParams(temperature, top_k, top_p, seed, presence_penalty, frequency_penalty,
+                                repetition_penalty, bias, min_tokens, logprobs)
+        if not prefix_only and min_tokens > max_new_tokens:
+            raise ValueError(f"min_tokens ({min_tokens}) must not exceed max_new_tokens ({max_new_tokens})")
+        if prompt_logprobs is not None and (not isinstance(prompt_logprobs, int) or isinstance(prompt_logprobs, bool)
+                                            or not 0 <= prompt_logprobs <= 20):
+            raise ValueError(f"prompt_logprobs must be an integer in [0, 20] or None, got {prompt_logprobs!r}")
         if num_draft_tokens is None:
             k = self.num_draft_tokens
         elif self.drafter_name == "none":
@@ -218,8 +237,34 @@ class Scheduler:
                 raise ValueError(f"num_draft_tokens must be an integer >= 0, got {num_draft_tokens!r}")
             k = num_draft_tokens
         ids = self.encode(prompt)
-        return Request(next(self._seq), ids, max_new_tokens if not prefix_only else 0, stop,
-                       include_stop_str_in_output, k, priority, RowSampler(params, self.sampling), sink, prefix_only)
+        constraint = self._grammar_compiler().constraint(response_format) if response_format is not None else None
+        processor = None
+        if params.processed or constraint is not None:
+            processor = LogitsProcessor(params, ids, self.eos_ids, constraint)
+        request = Request(next(self._seq), ids, max_new_tokens if not prefix_only else 0, stop,
+                          include_stop_str_in_output, k, priority, RowSampler(params, self.sampling, processor), sink,
+                          prefix_only)
+        request.prompt_logprobs = prompt_logprobs
+        return request
+
+    def _logit_bias(self, logit_bias) -> tuple:
+        # {token id (an int, or its decimal string as JSON sends it): bias} -> ((id, bias), ...), ids checked
+        if logit_bias is None:
+            return ()
+        if not isinstance(logit_bias, dict):
+            raise ValueError(f"logit_bias must be a mapping of token ids to biases, got {type(logit_bias).__name__}")
+        pairs = []
+        for key, bias in logit_bias.items():
+            token = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+            if not isinstance(token, (int, np.integer)) or isinstance(token, bool) or not 0 <= token < self.target.vocab_size:
+                raise ValueError(f"logit_bias key {key!r} is not a token id of this model (0..{self.target.vocab_size - 1})")
+            pairs.append((int(token), bias))
+        return tuple(pairs)
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.target.vocab_size, self.eos_ids)
+        return self._grammars
 
     def submit(self, prompt, **params) -> RequestHandle:
         """Queue one request; returns its handle at once. Parameters as Generator.generate, plus
@@ -243,6 +288,41 @@ class Scheduler:
             r.streaming = stream
             h = RequestHandle(self, r)
             r.sink = h._push
+            handles.append(h)
+        self._enqueue(requests)
+        return handles
+
+    def _group(self, prompt, n, params) -> list[Request]:
+        """n requests sampling one prompt, sample i with seed + i; all but the first start from a copy of the
+        first's cache slots once it has read the prompt (each then reads only the prompt's last token)."""
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {n!r}")
+        seed = params.pop("seed", None)
+        requests = [self.make_request(prompt, seed=None if seed is None else seed + i, **params) for i in range(n)]
+        if n > 1:
+            requests[0].shared_prefix = ()  # asked for: made when it has read its prompt
+            for r in requests[1:]:
+                r.leader = requests[0]
+        return requests
+
+    def submit_n(self, prompt, n: int, **params) -> list[RequestHandle]:
+        """n independent samples of one prompt sharing its prompt's computation (sample i: seed + i)."""
+        requests = self._group(prompt, n, params)
+        handles = []
+        for r in requests:
+            handles.append(RequestHandle(self, r))
+            r.sink = handles[-1]._push
+        self._enqueue(requests)
+        return handles
+
+    def submit_async_n(self, prompt, n: int, **params) -> list[AsyncRequestHandle]:
+        """submit_n from a coroutine."""
+        loop = asyncio.get_running_loop()
+        requests = self._group(prompt, n, params)
+        handles = []
+        for r in requests:
+            h = AsyncRequestHandle(self, r)
+            r.sink = (lambda q: lambda event: loop.call_soon_threadsafe(q.put_nowait, event))(h._queue)
             handles.append(h)
         self._enqueue(requests)
         return handles
@@ -360,9 +440,12 @@ class Scheduler:
             cancelled = [r for r in self._waiting if r.cancelled]
             self._waiting = [r for r in self._waiting if not r.cancelled]
             admitted = []
-            while self._waiting and len(self._rows) + len(admitted) < self.max_batch:
+            ready = [r for r in self._waiting if r.leader is None or r.leader.prompt_read
+                     or r.leader.finish_reason is not None]  # n samples: the others wait for the first's prompt
+            while ready and len(self._rows) + len(admitted) < self.max_batch:
                 # priority, aged: waiting aging_s counts as one level more; FIFO within a level
-                best = max(self._waiting, key=lambda r: (r.priority + (now - r.submitted) / self.aging_s, -r.seq))
+                best = max(ready, key=lambda r: (r.priority + (now - r.submitted) / self.aging_s, -r.seq))
+                ready.remove(best)
                 self._waiting.remove(best)
                 admitted.append(best)
         for r in cancelled:
@@ -375,10 +458,20 @@ class Scheduler:
             plen = r.prompt_ids.size
             r.output = RequestOutput(self.tokenizer, eos_ids=self.eos_ids, limit=min(r.max_new_tokens, self.capacity - plen),
                                      stop=r.stop, include_stop=r.include_stop, streaming=r.streaming)
+            if r.sampler.params.logprobs is not None:
+                r.output.logprobs = []
+            if r.prompt_logprobs is not None:
+                r.prompt_entries = [None]  # the first token has no log-probability
+                r.output.prompt_logprobs = (r.leader or r).prompt_entries  # complete when the first piece goes out
             self._tokens[row, :plen] = r.prompt_ids
             self._n[row] = plen
             reused, d_block = 0, None
-            hit = self.prefix_cache.lookup(r.prompt_ids) if self.prefix_cache else None
+            if r.leader is not None and r.leader.shared_prefix:
+                hit = r.leader.shared_prefix
+            elif self.prefix_cache and r.prompt_logprobs is None:  # prompt logprobs need every position computed
+                hit = self.prefix_cache.lookup(r.prompt_ids)
+            else:
+                hit = None
             if hit is not None:
                 common, t_block, d_block = hit
                 # both caches must hold the reused slots: the draft then reads the rest of the prompt alongside
@@ -424,7 +517,7 @@ class Scheduler:
         lone = b == 1 and len(self._rows) == 1 and self.lone_row_loops
         while True:
             caps = self._caps(rows)
-            if lone and not caps.any() and rows[0].sampler.mode == "greedy":
+            if lone and not caps.any() and rows[0].sampler.plain and rows[0].sampler.mode == "greedy":
                 return self._decode_alone(rows[0])
             self._speculate(rows, caps)
             if not (lone and self._keeps_going(rows[0])):
@@ -432,11 +525,14 @@ class Scheduler:
 
     def _caps(self, rows) -> np.ndarray:
         """The most drafts each row may have this round: its k, the room left in the cache and in its output."""
+        return np.minimum(self._room(rows), [r.k for r in rows])
+
+    def _room(self, rows) -> np.ndarray:
+        """The most tokens past the last one each row may verify this round: room in the cache and its output."""
         # every row writes [n - 1, n - 1 + T): no row may pass the cache's capacity
         n = self._n[: len(rows)]
         t_cap = int((self.capacity - (n - 1)).min())
-        return np.array([max(0, min(r.k, t_cap - 1, r.output.limit - len(r.output.token_ids) - 1)) for r in rows],
-                        np.int64)
+        return np.array([max(0, min(t_cap - 1, r.output.limit - len(r.output.token_ids) - 1)) for r in rows], np.int64)
 
     def _keeps_going(self, r) -> bool:
         """A lone row's loop goes on: it runs, and nobody arrived whom a free row could take."""
@@ -459,10 +555,13 @@ class Scheduler:
         self.round_log.append((stats.rounds, k, b))
 
         t0 = time.perf_counter()
+        forced = self._forced(rows, caps)  # rows whose grammar forces the next tokens draft nothing
         if k:
             proposal = self.drafter.propose(self._tokens[:b], n, caps, [r.sampler for r in rows], self.capacity)
         else:
             proposal = Proposal.empty(b)
+        if forced is not None:
+            self._constrain(rows, proposal, forced)
         t1 = time.perf_counter()
         drafts, counts = proposal.drafts, proposal.counts
         width = int(counts.max()) + 1
@@ -480,7 +579,8 @@ class Scheduler:
         stats.draft_calls += len(proposal.calls)
         stats.verify_s += t2 - t1
         stats.draft_s += t1 - t0
-        if policy is not None:
+        learn = policy is not None and not forced  # forced tokens say nothing about drafting
+        if learn:
             self._learn_calls(b, width, t2 - t1, proposal, (t1 - t0) / max(drafts.shape[1], 1))
 
         valid = n.copy()
@@ -488,21 +588,65 @@ class Scheduler:
         for s, r in enumerate(rows):
             r.stats.target_calls += 1
             m = int(counts[s])
-            q = None if proposal.probs is None else proposal.probs[s, :m]
+            q = None if proposal.probs is None or (forced and s in forced) else proposal.probs[s, :m]
             a, x = r.sampler.verify(drafts[s, :m], q, logits[s, : m + 1], int(n[s]))
             r.stats.rounds += 1
-            r.stats.record_accept(a, m)
-            if m and policy is not None:
-                policy.record_acceptance(m, a)
-            stats.proposed += m
-            stats.accepted += a
+            if forced and s in forced:
+                r.stats.forced_tokens += a
+            else:
+                r.stats.record_accept(a, m)
+                if m and policy is not None:
+                    policy.record_acceptance(m, a)
+                stats.proposed += m
+                stats.accepted += a
             n_before = int(n[s])
             self._emit(s, r, [*drafts[s, :a].tolist(), x])
             valid[s] = min(n_before + a, int(n[s]))  # the cache holds the verified tokens, not the last one
             tc[s] = valid[s]
         self.drafter.accepted(valid)
-        if policy is not None:
+        if learn:
             self._learn_round(b, k, proposal, stats.generated_tokens - emitted, time.perf_counter() - t0)
+
+    def _forced(self, rows, caps):
+        """{row: the tokens its grammar forces next} (jump-forward: verified without asking the draft, whose cap for
+        the row becomes 0), or None when no row has a grammar."""
+        forced = None
+        room = None
+        for s, r in enumerate(rows):
+            proc = r.sampler.processor
+            if proc is None or proc.constraint is None:
+                continue
+            forced = {} if forced is None else forced
+            tokens = proc.forced()
+            if tokens:
+                room = self._room(rows) if room is None else room
+                tokens = tokens[: min(int(room[s]), self.max_forced)]
+            if tokens:
+                forced[s] = tokens
+                caps[s] = 0
+        return forced
+
+    max_forced = 16  # forced tokens verified per round at most (the verify call's width)
+
+    def _constrain(self, rows, proposal, forced):
+        """Grammar rows: forced rows verify their forced tokens; the others' drafts are cut at the first token the
+        grammar forbids (a draft model proposes under the grammar already; prompt lookup does not)."""
+        for s, r in enumerate(rows):
+            proc = r.sampler.processor
+            if s in forced or proc is None or proc.constraint is None or not proposal.counts[s]:
+                continue
+            proc.rollback()  # the drafter's pushed proposals: check from the committed state
+            proposal.counts[s] = proc.allowed_prefix(proposal.drafts[s, : proposal.counts[s]])
+        if not forced:
+            return
+        width = max(len(t) for t in forced.values())
+        if width > proposal.drafts.shape[1]:
+            drafts = np.zeros((len(rows), width), np.int64)
+            drafts[:, : proposal.drafts.shape[1]] = proposal.drafts
+            proposal.drafts = drafts
+        for s, tokens in forced.items():
+            proposal.drafts[s, : len(tokens)] = tokens
+            proposal.counts[s] = len(tokens)
 
     def _learn_calls(self, b, width, verify_s, proposal, per_draft_token_s):
         """Tell the load-aware policy what a round's calls cost (before its acceptance is known): the draft
@@ -581,10 +725,16 @@ class Scheduler:
         for i in range(p):
             s, r = first + i, self._rows[first + i]
             r.stats.target_calls += 1
+            if r.prompt_entries is not None:
+                self._prompt_logprobs(r, logits[i, : chunk[i]], int(tc[i]))
             tc[i] += chunk[i]
             if tc[i] < plen[i]:
                 continue
             completed += 1  # served first come first served: completions are rows first, first + 1, ...
+            r.prompt_read = True
+            if r.shared_prefix is not None:  # the other samples of this prompt start from its slots
+                keep = int(plen[i]) - 1
+                r.shared_prefix = (keep, self.target.save_prefix(s, keep), self.drafter.save_prefix(s, keep)) if keep else None
             if r.prefix_only:
                 r.finish_reason = "stop"
                 continue
@@ -593,11 +743,26 @@ class Scheduler:
             r.stats.time_to_first_token_s = r.last_emit - r.submitted
         self._decoding += completed
 
+    def _prompt_logprobs(self, r, logits, start):
+        # logits [T, V] of prompt positions start.. ; position j's logits give the prompt's token j + 1
+        prompt, n = r.prompt_ids, r.prompt_logprobs
+        greedy = SamplingParams()
+        for c in range(min(logits.shape[0], prompt.size - 1 - start)):
+            r.prompt_entries.append(logprob_entry(log_probs(greedy, logits[c]), int(prompt[start + c + 1]), n))
+
     def _emit(self, s, r, new):
         """Accepted tokens join request r in row s: THE place every path hands tokens over. The output's stop rule
         (output.RequestOutput) takes them up to where the request ends; the row's buffer gets what it took."""
         out = r.output
         taken = out.extend(new)
+        sampler = r.sampler
+        if not sampler.plain:
+            if out.logprobs is not None:
+                out.logprobs.extend(sampler.take_logprobs(taken))
+            if sampler.processor is not None:
+                sampler.processor.commit(new[:taken])
+                if out.finish_reason is None and sampler.processor.finished:
+                    out.extend([min(self.eos_ids)])  # the grammar is complete: nothing but EOS may follow
         n = int(self._n[s])
         self._tokens[s, n : n + taken] = new[:taken]
         self._n[s] = n + taken
@@ -612,7 +777,7 @@ class Scheduler:
         if r.streaming:
             delta = out.delta()
             if delta:
-                r.sink(("delta", delta))
+                r.sink(("delta", out.piece(delta)))
 
     def _finish(self, r, output):
         r.stats.elapsed_s = time.perf_counter() - r.submitted
@@ -626,9 +791,11 @@ class Scheduler:
             output.finish(r.finish_reason)
             if r.streaming:  # what a stream has not had yet: a held-back partial stop string, a cancelled row's rest
                 delta = output.delta()
-                if delta:
-                    r.sink(("delta", delta))
-            result = GenerationResult(output.text, list(output.token_ids), r.finish_reason, r.stats)
+                if delta or output.unsent_logprobs():
+                    r.sink(("delta", output.piece(delta)))
+            prompt_entries = r.prompt_entries if r.leader is None else r.leader.prompt_entries
+            result = GenerationResult(output.text, list(output.token_ids), r.finish_reason, r.stats,
+                                      logprobs=output.logprobs, prompt_logprobs=prompt_entries)
         r.sink(("done", result))
 
     def _retire(self):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, log_probs, logprob_entry, sample
 
 
 def accept_chosen(drafts: np.ndarray, chosen: np.ndarray) -> tuple[int, int]:
@@ -66,9 +66,14 @@ class RowSampler:
     - "rejection": modified rejection sampling (accept x with min(1, p(x)/q(x)), else draw from
       norm(max(0, p - q))) with one random stream per request: the highest acceptance, the target's
       exact distribution, but which sample a seed gives depends on the draft lengths used.
+
+    ``processor`` (runtime/logits.py: logit_bias, min_tokens, penalties, grammar) processes the logits of every
+    position, target's and draft's alike, with the state after the tokens before it. With ``params.logprobs``
+    set, each emitted token's log-probability (sampling.log_probs) is kept for the output (``take_logprobs``).
+    A ``plain`` sampler (neither) lets the engines' greedy loops run without it.
     """
 
-    def __init__(self, params: SamplingParams, mode: str = "coupled"):
+    def __init__(self, params: SamplingParams, mode: str = "coupled", processor=None):
         if mode not in SPECULATIVE_SAMPLING:
             raise ValueError(f"unknown speculative sampling {mode!r}; choose one of {', '.join(SPECULATIVE_SAMPLING)}")
         self.params = params
@@ -76,32 +81,61 @@ class RowSampler:
         seed = params.seed if params.seed is not None else np.random.SeedSequence().entropy
         self.key = int(seed) % (1 << 64)
         self.rng = np.random.default_rng(self.key)
+        self.processor = processor
+        self.plain = processor is None and params.logprobs is None
+        self._logprobs: list = []  # (token, logprob, [(token, logprob), ...]) of tokens not yet taken
 
     def _noise(self, position: int, size: int) -> np.ndarray:
         return np.random.default_rng([self.key, position]).gumbel(size=size)
 
-    def choose(self, logits: np.ndarray, position: int) -> int:
-        """The token at sequence ``position`` from the distribution these logits give."""
-        # logits [V]
+    def _process(self, logits: np.ndarray) -> np.ndarray:
+        return logits if self.processor is None else self.processor.apply(logits)
+
+    def _pick(self, x: np.ndarray, position: int) -> int:
+        # x: processed logits [V]
         if self.mode == "greedy":
-            return int(logits.argmax())
-        p = self.params.probs(logits)
+            return int(x.argmax())
+        p = self.params.probs(x)
         if self.mode == "rejection":
             return sample(p, self.rng)
         with np.errstate(divide="ignore"):
             return int((np.log(p) + self._noise(position, p.size)).argmax())
 
+    def _record(self, x: np.ndarray, token: int) -> None:
+        if self.params.logprobs is not None:
+            self._logprobs.append(logprob_entry(log_probs(self.params, x), token, self.params.logprobs))
+
+    def take_logprobs(self, n: int) -> list:
+        """The log-probability entries of the next n emitted tokens (the rest of this round's are dropped)."""
+        taken, self._logprobs = self._logprobs[:n], []
+        return taken
+
+    def choose(self, logits: np.ndarray, position: int) -> int:
+        """The token at sequence ``position`` from the distribution these logits give."""
+        # logits [V]
+        x = self._process(logits)
+        token = self._pick(x, position)
+        self._record(x, token)
+        return token
+
     def propose(self, logits: np.ndarray, position: int) -> tuple[int, np.ndarray | None]:
         """A draft token for ``position`` and, for rejection sampling, the draft distribution q it came from."""
-        if self.mode != "rejection":
-            return self.choose(logits, position), None
-        q = self.params.probs(logits)
-        return sample(q, self.rng), q
+        x = self._process(logits)
+        if self.mode == "rejection":
+            q = self.params.probs(x)
+            token = sample(q, self.rng)
+        else:
+            q, token = None, self._pick(x, position)
+        if self.processor is not None:
+            self.processor.push(token)  # the next position is processed after it
+        return token, q
 
     def verify(self, drafts: np.ndarray, draft_probs, target_logits: np.ndarray, position: int) -> tuple[int, int]:
         """How many drafts the target accepts, and its own token after them (DESIGN.md §4)."""
         # drafts [m], draft_probs [m, V] or None, target_logits [m + 1, V]; drafts[0] is at ``position``
         m = drafts.size
+        if not self.plain:
+            return self._verify_processed(drafts, draft_probs, target_logits, position)
         if m == 0 and self.mode == "greedy":  # plain decoding: the target's argmax, every round
             return 0, int(target_logits[0].argmax())
         if self.mode == "rejection":
@@ -114,6 +148,53 @@ class RowSampler:
             if j < m and chosen[j] != drafts[j]:
                 break
         return accept_chosen(drafts, np.asarray(chosen))
+
+    def _verify_processed(self, drafts, draft_probs, target_logits, position):
+        # position j is processed after drafts[:j] (pushed as the verdict reaches it), then the round's tokens
+        # are dropped again: the scheduler commits what the output takes
+        proc = self.processor
+        if proc is not None:
+            proc.rollback()  # the drafter pushed its own proposals
+        processed = _ProcessedRows(self, target_logits, drafts)
+        if self.mode == "rejection":
+            a, token = accept_sampling(drafts, draft_probs, processed, self.rng)
+        else:
+            m, chosen = drafts.size, []
+            for j in range(m + 1):
+                chosen.append(self._pick(processed.logits(j), position + j))
+                if j < m and chosen[j] != drafts[j]:
+                    break
+            a, token = accept_chosen(drafts, np.asarray(chosen))
+        for j, t in enumerate([*drafts[:a].tolist(), token]):
+            self._record(processed.logits(j), t)
+        if proc is not None:
+            proc.rollback()
+        return a, token
+
+
+class _ProcessedRows:
+    """A verify call's processed logits, row j made on first use after pushing drafts[:j]; indexing gives the
+    processed probabilities (``[j]`` a row, ``[j, x]`` one entry), as accept_sampling reads them."""
+
+    def __init__(self, sampler: RowSampler, logits: np.ndarray, drafts: np.ndarray):
+        self.sampler, self.raw, self.drafts = sampler, logits, drafts
+        self._rows: list[np.ndarray] = []
+        self._probs: dict[int, np.ndarray] = {}
+
+    def logits(self, j: int) -> np.ndarray:
+        proc = self.sampler.processor
+        while len(self._rows) <= j:
+            i = len(self._rows)
+            if i and proc is not None:
+                proc.push(self.drafts[i - 1])
+            self._rows.append(self.sampler._process(self.raw[i]))
+        return self._rows[j]
+
+    def __getitem__(self, key):
+        j, rest = (key[0], key[1:]) if isinstance(key, tuple) else (key, ())
+        if j not in self._probs:
+            self._probs[j] = self.sampler.params.probs(self.logits(j))
+        return self._probs[j][rest] if rest else self._probs[j]
 
 
 def expected_tokens_per_call(alpha: float, k: int) -> float:

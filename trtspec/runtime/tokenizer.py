@@ -42,3 +42,33 @@ def encode_prompt(tokenizer, prompt, *, vocab_size: int, bos_id: int | None, cap
             f"output together); shorten the prompt or re-export with --max-seq-len {2 * len(ids)}"
         )
     return np.asarray(ids, dtype=np.int64)
+
+
+def token_bytes(tokenizer):
+    """A function: token id -> the token's own bytes (what OpenAI's logprobs call ``bytes``). Byte-level BPE
+    tokens map back through GPT-2's byte alphabet and byte-fallback tokens ("<0x0A>") are their byte, so a token
+    that holds part of a UTF-8 character gives exactly that part; other tokens give their decoded text's UTF-8."""
+    import re
+
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    byte_level = type(decoder).__name__ == "ByteLevel"
+    if byte_level:  # GPT-2's bytes_to_unicode, inverted
+        printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+        chars, extra = {}, 0
+        for b in range(256):
+            if b in printable:
+                chars[chr(b)] = b
+            else:
+                chars[chr(256 + extra)] = b
+                extra += 1
+    fallback = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+    def of(token: int) -> bytes:
+        piece = tokenizer.convert_ids_to_tokens(int(token))
+        if piece is not None and byte_level and all(c in chars for c in piece):
+            return bytes(chars[c] for c in piece)
+        if piece is not None and (m := fallback.fullmatch(piece)):
+            return bytes([int(m.group(1), 16)])
+        return tokenizer.decode([int(token)], skip_special_tokens=False).encode("utf-8")
+
+    return of

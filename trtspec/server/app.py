@@ -21,8 +21,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import CapacityError
 from ..runtime.request import RequestFailedError
+from ..runtime.tokenizer import token_bytes
 from .metrics import Metrics
-from .protocol import APIError, ChatCompletionRequest, CompletionRequest, unsupported
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest, response_format_of, unsupported
 
 log = logging.getLogger("trtspec.server")
 
@@ -139,9 +140,20 @@ def create_app(scheduler, *, model_name: str, api_key: str | None = None, max_qu
                       include_stop_str_in_output=body.include_stop_str_in_output, priority=body.priority,
                       num_draft_tokens=body.num_draft_tokens,
                       top_p=body.top_p if sampled and body.top_p not in (None, 1, 1.0) else None,
-                      top_k=body.top_k if sampled and body.top_k not in (None, 0) else None)
+                      top_k=body.top_k if sampled and body.top_k not in (None, 0) else None,
+                      presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
+                      repetition_penalty=body.repetition_penalty or 1.0, logit_bias=body.logit_bias or None,
+                      min_tokens=body.min_tokens, response_format=response_format_of(body))
+        if isinstance(body, ChatCompletionRequest):
+            params["logprobs"] = (body.top_logprobs or 0) if body.logprobs else None
+        else:
+            params["logprobs"] = body.logprobs
+            if body.echo and body.logprobs is not None:
+                params["prompt_logprobs"] = body.logprobs
         if isinstance(params["stop"], list) and len(params["stop"]) > 4:
             raise APIError(400, "at most 4 stop sequences are allowed", param="stop")
+        if body.min_tokens > max_tokens:
+            raise APIError(400, f"min_tokens={body.min_tokens} exceeds max_tokens={max_tokens}", param="min_tokens")
         return params
 
     def encode(prompt):
@@ -153,14 +165,20 @@ def create_app(scheduler, *, model_name: str, api_key: str | None = None, max_qu
         except (ValueError, TypeError) as exc:
             raise APIError(400, str(exc), param="prompt") from None
 
-    def submit(ids, params):
+    def submit(ids, params, n) -> list:
         if max_queue is not None and scheduler.waiting >= max_queue:
             raise APIError(429, f"the queue is full ({scheduler.waiting} requests waiting); retry shortly",
                            type="rate_limit_error", headers={"Retry-After": "1"})
         try:
-            return scheduler.submit_async(ids, **params)
+            if n == 1:
+                return [scheduler.submit_async(ids, **params)]
+            if hasattr(scheduler, "submit_async_n"):  # the samples share the prompt's computation
+                return scheduler.submit_async_n(ids, n, **params)
+            seed = params.pop("seed")
+            return [scheduler.submit_async(ids, seed=None if seed is None else seed + i, **params) for i in range(n)]
         except (ValueError, TypeError) as exc:
-            raise APIError(400, str(exc)) from None
+            param = "response_format" if "response_format" in str(exc) else None
+            raise APIError(400, str(exc), param=param) from None
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -174,7 +192,10 @@ def create_app(scheduler, *, model_name: str, api_key: str | None = None, max_qu
             raise APIError(400, "the prompt is empty", param="prompt")
         ids = encode(prompt)
         params = params_of(body, body.max_tokens, ids)
-        return await respond(request, "text_completion", body, ids, params, prompt if log_prompts else None)
+        echo = None
+        if body.echo:  # the prompt's text leads each choice's text (and its tokens the logprobs)
+            echo = prompt if isinstance(prompt, str) else scheduler.tokenizer.decode(ids, skip_special_tokens=True)
+        return await respond(request, "text_completion", body, ids, params, prompt if log_prompts else None, echo)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
@@ -191,23 +212,32 @@ def create_app(scheduler, *, model_name: str, api_key: str | None = None, max_qu
         params = params_of(body, body.max_completion_tokens or body.max_tokens, ids)
         return await respond(request, "chat.completion", body, ids, params, messages if log_prompts else None)
 
-    async def respond(request, kind, body, ids, params, logged_prompt):
+    async def respond(request, kind, body, ids, params, logged_prompt, echo=None):
         t0 = time.perf_counter()
-        handle = submit(ids, params)
+        n = body.n or 1
+        handles = submit(ids, params, n)
         try:
-            await handle.start()  # a remote scheduler routes the request here (and may refuse it)
+            for handle in handles:
+                await handle.start()  # a remote scheduler routes the request here (and may refuse it)
         except (ValueError, TypeError) as exc:
+            for handle in handles:
+                handle.cancel()
             raise APIError(400, str(exc)) from None
         except RequestFailedError as exc:
+            for handle in handles:
+                handle.cancel()
             metrics.request_done("chat" if kind == "chat.completion" else "completions", 500)
             raise APIError(500, str(exc), type="server_error") from None
+        logprobs = LogprobsFormat(scheduler.tokenizer, kind, ids, echo) if params.get("logprobs") is not None else None
         rid = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         endpoint = "chat" if kind == "chat.completion" else "completions"
 
-        def finished(status, result=None):
-            metrics.request_done(endpoint, status, result)
-            tokens = len(result.token_ids) if result is not None else 0
+        def finished(status, results=()):
+            result = results[0] if results else None
+            for r in results or (None,):
+                metrics.request_done(endpoint, status, r)
+            tokens = sum(len(r.token_ids) for r in results)
             log.info("%s %s status=%s prompt_tokens=%d completion_tokens=%d latency_ms=%.1f finish=%s%s", rid,
                      endpoint, status, len(ids), tokens, (time.perf_counter() - t0) * 1e3,
                      result.finish_reason if result is not None else "-",
@@ -215,62 +245,85 @@ def create_app(scheduler, *, model_name: str, api_key: str | None = None, max_qu
 
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(stream(handle, rid, created, kind, include_usage, finished),
+            return StreamingResponse(stream(handles, rid, created, kind, include_usage, finished, logprobs, echo),
                                      media_type="text/event-stream")
-        consume = asyncio.ensure_future(_drain(handle))
+        consume = asyncio.ensure_future(asyncio.gather(*(_drain(h) for h in handles)))
         while not consume.done():  # a client that hangs up cancels its request
             await asyncio.wait({consume}, timeout=0.25)
             if not consume.done() and await request.is_disconnected():
-                handle.cancel()
+                for handle in handles:
+                    handle.cancel()
         try:
             await consume
         except RequestFailedError as exc:
+            for handle in handles:
+                handle.cancel()
             finished(500)
             raise APIError(500, str(exc), type="server_error") from None
-        result = handle.result
-        finished(200, result)
-        if kind == "chat.completion":
-            choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
-                      "finish_reason": _finish(result), "logprobs": None}
-        else:
-            choice = {"index": 0, "text": result.text, "finish_reason": _finish(result), "logprobs": None}
-        return {"id": rid, "object": kind, "created": created, "model": model_name, "choices": [choice],
-                "usage": _usage(result), "trtspec": _speculation(result)}
+        results = [h.result for h in handles]
+        finished(200, results)
+        choices = []
+        for i, result in enumerate(results):
+            text = result.text if echo is None else echo + result.text
+            lp = logprobs.whole(result) if logprobs is not None else None
+            if kind == "chat.completion":
+                choices.append({"index": i, "message": {"role": "assistant", "content": text},
+                                "finish_reason": _finish(result), "logprobs": lp})
+            else:
+                choices.append({"index": i, "text": text, "finish_reason": _finish(result), "logprobs": lp})
+        return {"id": rid, "object": kind, "created": created, "model": model_name, "choices": choices,
+                "usage": _usage(results), "trtspec": _speculation(results)}
 
-    async def stream(handle, rid, created, kind, include_usage, finished):
+    async def stream(handles, rid, created, kind, include_usage, finished, logprobs, echo):
         chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
 
-        def chunk(delta=None, finish=None, **extra):
+        def chunk(index, delta=None, finish=None, lp=None, **extra):
             if kind == "chat.completion":
-                choice = {"index": 0, "delta": delta if delta is not None else {}, "finish_reason": finish,
-                          "logprobs": None}
+                choice = {"index": index, "delta": delta if delta is not None else {}, "finish_reason": finish,
+                          "logprobs": lp}
             else:
-                choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
+                choice = {"index": index, "text": delta or "", "finish_reason": finish, "logprobs": lp}
             payload = {"id": rid, "object": chunk_kind, "created": created, "model": model_name, "choices": [choice],
                        **extra}
             return f"data: {json.dumps(payload)}\n\n"
 
         status = 499  # the client went away before the end
-        result = None
+        results = []
         try:
             if kind == "chat.completion":
-                yield chunk({"role": "assistant", "content": ""})
-            async for delta in handle:
-                yield chunk({"content": delta} if kind == "chat.completion" else delta)
-            result = handle.result
-            yield chunk(finish=_finish(result), trtspec=_speculation(result))
+                for i in range(len(handles)):
+                    yield chunk(i, {"role": "assistant", "content": ""})
+            echoed = set()  # choices whose text began with the prompt's (echo)
+            async for i, delta in _merged(handles):
+                if i is None:  # choice ``delta`` ended
+                    result = handles[delta].result
+                    results.append(result)
+                    if echo is not None and delta not in echoed:
+                        yield chunk(delta, echo, lp=logprobs.whole(result) if logprobs is not None else None)
+                    yield chunk(delta, finish=_finish(result), trtspec=_speculation([result]))
+                    continue
+                lp = logprobs.piece(i, delta, first=echo is not None and i not in echoed) if logprobs else None
+                if echo is not None and i not in echoed:
+                    echoed.add(i)
+                    delta = echo + delta
+                yield chunk(i, {"content": delta} if kind == "chat.completion" else delta, lp=lp)
             if include_usage:
                 payload = {"id": rid, "object": chunk_kind, "created": created, "model": model_name, "choices": [],
-                           "usage": _usage(result)}
+                           "usage": _usage(results)}
                 yield f"data: {json.dumps(payload)}\n\n"
             yield "data: [DONE]\n\n"
             status = 200
         except RequestFailedError as exc:
             status = 500
+            for handle in handles:
+                handle.cancel()
             yield f"data: {json.dumps(APIError(500, str(exc), type='server_error').body)}\n\n"
             yield "data: [DONE]\n\n"
         finally:
-            finished(status, result)
+            if status != 200:
+                for handle in handles:
+                    handle.cancel()
+            finished(status, results)
 
     return app
 
@@ -280,18 +333,124 @@ async def _drain(handle):
         pass
 
 
+async def _merged(handles):
+    """(choice index, text delta) from several handles as they come, and (None, index) when choice index ends."""
+    if len(handles) == 1:
+        async for delta in handles[0]:
+            yield 0, delta
+        yield None, 0
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, handle):
+        try:
+            async for delta in handle:
+                await queue.put((i, delta))
+            await queue.put((None, i))
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            await queue.put((exc, i))
+
+    tasks = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
+    try:
+        ended = 0
+        while ended < len(handles):
+            i, value = await queue.get()
+            if isinstance(i, BaseException):
+                raise i
+            if i is None:
+                ended += 1
+            yield i, value
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+class LogprobsFormat:
+    """Log-probability entries (runtime: (token id, logprob, [(id, logprob), ...])) in OpenAI's two shapes:
+    completions' {"tokens", "token_logprobs", "top_logprobs", "text_offset"} and chat's {"content": [...]}."""
+
+    def __init__(self, tokenizer, kind, prompt_ids, echo):
+        self.tokenizer = tokenizer
+        self.chat = kind == "chat.completion"
+        self.prompt_ids = prompt_ids
+        self.echo = echo
+        self._strings: dict[int, str] = {}
+        self._bytes = token_bytes(tokenizer)
+        self._offsets: dict[int, int] = {}  # choice -> text offset of its next token (streaming)
+
+    def _text(self, token: int) -> str:
+        s = self._strings.get(token)
+        if s is None:
+            s = self._strings[token] = self.tokenizer.decode([token], skip_special_tokens=False)
+        return s
+
+    def _label(self, token: int) -> str:
+        """A token as logprobs name it: its text, or "bytes:\\xe2\\x80" for part of a UTF-8 character (as OpenAI's
+        API writes those; distinct tokens keep distinct names)."""
+        text = self._text(token)
+        if "\ufffd" in text:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in self._bytes(token))
+        return text
+
+    def _chat(self, entries) -> dict:
+        def item(token, logprob):
+            return {"token": self._label(token), "logprob": logprob, "bytes": list(self._bytes(token))}
+
+        return {"content": [{**item(t, lp), "top_logprobs": [item(a, b) for a, b in top]} for t, lp, top in entries],
+                "refusal": None}
+
+    def _completion(self, entries, offset: int) -> dict:
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for i, entry in enumerate(entries):
+            if entry is None:  # the prompt's first token
+                token, lp, top = int(self.prompt_ids[0]), None, None
+            else:
+                token, lp, top = entry
+                top = {self._label(a): b for a, b in top}
+            out["tokens"].append(self._label(token))
+            out["token_logprobs"].append(lp)
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(offset)
+            offset += len(self._text(token))
+        return out
+
+    def whole(self, result) -> dict:
+        if self.chat:
+            return self._chat(result.logprobs or [])
+        entries = list(result.logprobs or [])
+        if self.echo is not None:
+            entries = list(result.prompt_logprobs or []) + entries
+        return self._completion(entries, 0)
+
+    def piece(self, index: int, delta, first: bool = False) -> dict:
+        """A streamed delta's entries; the ``first`` piece of an echoed choice has the prompt's in front."""
+        entries = list(getattr(delta, "logprobs", ()))
+        if self.chat:
+            return self._chat(entries)
+        if first:
+            entries = list(getattr(delta, "prompt_logprobs", None) or []) + entries
+        offset = self._offsets.get(index, 0 if first or self.echo is None else len(self.echo))
+        lp = self._completion(entries, offset)
+        self._offsets[index] = offset + sum(len(self._text(e[0] if e else self.prompt_ids[0])) for e in entries)
+        return lp
+
 def _finish(result) -> str:
     return "length" if result.finish_reason == "length" else "stop"
 
 
-def _usage(result) -> dict:
-    prompt, completion = result.stats.prompt_tokens, len(result.token_ids)
+def _usage(results) -> dict:
+    prompt = results[0].stats.prompt_tokens if results else 0
+    completion = sum(len(r.token_ids) for r in results)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _speculation(result) -> dict:
+def _speculation(results) -> dict:
+    """trtspec's own statistics of a response: its choice's, or per choice with n > 1."""
+    if len(results) != 1:
+        return {"choices": [_speculation([r]) for r in results]}
+    result = results[0]
     s = result.stats
-    return {"acceptance_rate": s.acceptance_rate, "accepted": s.accepted, "proposed": s.proposed,
+    return {"forced_tokens": s.forced_tokens, "acceptance_rate": s.acceptance_rate, "accepted": s.accepted, "proposed": s.proposed,
             "mean_tokens_per_target_call": s.mean_tokens_per_target_call, "target_calls": s.target_calls,
             "prefix_tokens_reused": s.prefix_tokens_reused, "queue_s": s.queue_s,
             "time_to_first_token_s": s.time_to_first_token_s,

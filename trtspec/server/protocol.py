@@ -1,7 +1,8 @@
 """OpenAI's wire protocol, the part trtspec serves: request bodies as pydantic models, errors in one place.
 
 Fields a client may send but trtspec cannot honour are accepted only at their no-op values, and
-refused with a 400 that names them otherwise (an OpenAI client sends many of them as null).
+refused with a 400 that names them otherwise (an OpenAI client sends many of them as null). Range checks that
+OpenAI documents are made here; the rest (token ids, schemas) by the scheduler, whose ValueError becomes a 400.
 """
 
 from __future__ import annotations
@@ -27,13 +28,19 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    n: int | None = None
-    logprobs: Union[bool, int, None] = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict | None = None
-    # trtspec extensions
+    n: int | None = Field(default=None, ge=1, le=16)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    response_format: dict | None = None  # {"type": "text" | "json_object" | "json_schema", ...}
+    # extensions (vLLM's names)
     top_k: int | None = None
+    repetition_penalty: float | None = Field(default=None, gt=0, le=10)
+    min_tokens: int = Field(default=0, ge=0)
+    guided_json: Union[dict, str, None] = None  # a JSON schema: as response_format json_schema
+    guided_regex: str | None = None
+    guided_grammar: str | None = None  # a Lark grammar (llguidance's syntax)
+    # trtspec extensions
     priority: int = 0
     num_draft_tokens: int | None = Field(default=None, ge=0)
     include_stop_str_in_output: bool = False  # vLLM's name: keep the matched stop string at the end of the text
@@ -42,6 +49,7 @@ class _Sampling(BaseModel):
 class CompletionRequest(_Sampling):
     prompt: Union[str, list[int], list[str], list[list[int]]]
     max_tokens: int | None = 16  # OpenAI's default for completions
+    logprobs: int | None = Field(default=None, ge=0, le=20)  # the N most likely alternatives per token
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -58,7 +66,8 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None  # default: up to the engine's capacity
     max_completion_tokens: int | None = None
-    top_logprobs: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
 
 class APIError(Exception):
@@ -74,23 +83,35 @@ class APIError(Exception):
 
 def unsupported(req: _Sampling) -> None:
     """Refuse what trtspec does not do, naming the parameter (400)."""
-    if req.n not in (None, 1):
-        raise APIError(400, f"n={req.n} is not supported: trtspec returns one choice per request; send n requests",
-                       param="n")
-    if req.logprobs not in (None, False, 0):
-        raise APIError(400, "logprobs are not supported by trtspec", param="logprobs")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name) not in (None, 0, 0.0):
-            raise APIError(400, f"{name} is not supported by trtspec (it would change the target's distribution)",
-                           param=name)
-    if req.logit_bias:
-        raise APIError(400, "logit_bias is not supported by trtspec", param="logit_bias")
     if isinstance(req, CompletionRequest):
-        if req.echo:
-            raise APIError(400, "echo is not supported by trtspec", param="echo")
-        if req.best_of not in (None, 1):
-            raise APIError(400, "best_of is not supported by trtspec", param="best_of")
+        if req.best_of not in (None, 1) and req.best_of != (req.n or 1):
+            raise APIError(400, "best_of is not supported by trtspec (it returns every sample: use n)", param="best_of")
         if req.suffix:
             raise APIError(400, "suffix is not supported by trtspec", param="suffix")
-    if isinstance(req, ChatCompletionRequest) and req.top_logprobs:
-        raise APIError(400, "top_logprobs is not supported by trtspec", param="top_logprobs")
+    if isinstance(req, ChatCompletionRequest) and req.top_logprobs and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+
+
+def response_format_of(req: _Sampling) -> dict | None:
+    """The one structured-output format a request asks for (response_format or a guided_* extension)."""
+    given = {name: getattr(req, name) for name in ("response_format", "guided_json", "guided_regex", "guided_grammar")
+             if getattr(req, name) is not None}
+    if len(given) > 1:
+        raise APIError(400, f"{' and '.join(given)} both ask for structured output; send one", param=next(iter(given)))
+    if not given:
+        return None
+    name, value = next(iter(given.items()))
+    if name == "guided_json":
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise APIError(400, "guided_json is not a valid JSON schema string", param=name) from None
+        return {"type": "json_schema", "json_schema": {"name": "guided_json", "schema": value}}
+    if name == "guided_regex":
+        return {"type": "regex", "regex": value}
+    if name == "guided_grammar":
+        return {"type": "grammar", "grammar": value}
+    return value

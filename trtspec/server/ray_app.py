@@ -102,7 +102,8 @@ class EngineReplica:
             return
         r = handle.result
         yield ("done", {"text": r.text, "token_ids": list(r.token_ids), "finish_reason": r.finish_reason,
-                        "stats": asdict(r.stats), "replica": self.replica, "pid": os.getpid(), "delta": last})
+                        "stats": asdict(r.stats), "replica": self.replica, "pid": os.getpid(), "delta": last,
+                        "logprobs": r.logprobs, "prompt_logprobs": r.prompt_logprobs})
 
     def stats(self) -> dict:
         return {**asdict(self.scheduler.stats()), "replica": self.replica, "pid": os.getpid()}
@@ -213,7 +214,8 @@ class RemoteRequestHandle:
                         yield value["delta"]
                     stats = RequestStats(**value["stats"])
                     self.result = GenerationResult(value["text"], value["token_ids"], value["finish_reason"], stats,
-                                                   replica=value["replica"])
+                                                   replica=value["replica"], logprobs=value.get("logprobs"),
+                                                   prompt_logprobs=value.get("prompt_logprobs"))
                     return
                 elif kind == "invalid":
                     raise ValueError(value)
