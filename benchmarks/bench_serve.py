@@ -7,6 +7,10 @@ ratios between servers come from the same minutes of a shared machine.
 
     python benchmarks/bench_serve.py [--requests 24] [--max-tokens 128] [--rates 1 2 4]
     python benchmarks/bench_serve.py --baseline /path/to/other/checkout --no-hf   # this code vs another checkout
+    python benchmarks/bench_serve.py --no-hf --llama-server BIN --llama-model TARGET.gguf --llama-draft DRAFT.gguf
+
+``--llama-server``: llama.cpp's server (built by the user; trtspec ships none of it) on the same model converted to
+GGUF float32, 8 slots, 2 threads, with and without its draft model, in the same rotation.
 
 Writes benchmarks/results/serve.{json,md,png}.
 """
@@ -39,8 +43,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def servers(baseline: Path | None = None, hf: bool = True) -> dict[str, tuple[list[str], dict | None]]:
-    """name -> (command, environment or None); ``baseline``: also trtspec's two servers from that checkout."""
+def servers(baseline: Path | None = None, hf: bool = True, llama: tuple | None = None,
+            only: list[str] | None = None) -> dict[str, tuple[list[str], dict | None]]:
+    """name -> (command, environment or None); ``baseline``: also trtspec's two servers from that checkout;
+    ``llama``: (llama-server binary, target GGUF, draft GGUF or None)."""
     engines()  # builds the max-batch-8 engines if missing
     target = ROOT / "engines" / "stdlib-target-b8-s512"
     draft = ROOT / "engines" / "stdlib-draft-b8-s512"
@@ -56,6 +62,17 @@ def servers(baseline: Path | None = None, hf: bool = True) -> dict[str, tuple[li
         out["HF generate() + FastAPI"] = ([sys.executable, str(ROOT / "benchmarks" / "hf_server.py"), "--model",
                                           str(ROOT / "models" / "stdlib-target"), "--name", "stdlib", "--threads", "2"],
                                          None)
+    if llama is not None:
+        binary, model, draft_gguf = llama
+        # 8 slots of 512 positions (the trtspec engines' rows and capacity), 2 threads, the same greedy requests
+        base = [str(binary), "-m", str(model), "--host", "127.0.0.1", "-t", "2", "-tb", "2", "-np", "8", "-c", "4096",
+                "-a", "stdlib", "--no-webui"]
+        out["llama-server (8 slots)"] = (base, None)
+        if draft_gguf is not None:
+            out["llama-server (8 slots, draft)"] = (base + ["-md", str(draft_gguf), "--spec-type", "draft-simple",
+                                                          "--spec-draft-n-max", "4"], None)
+    if only:
+        out = {name: v for name, v in out.items() if any(o in name for o in only)}
     return out
 
 
@@ -87,9 +104,12 @@ def plot(res, path):
         rows = [r for r in rows if "concurrency" in r]
         cs = [r["concurrency"] for r in rows]
         axes[0].plot(cs, [r["output_tok_s"] for r in rows], "o-", label=name)
-        axes[1].plot(cs, [r["ttft_p50_ms"] for r in rows], "o-", label=name)
-        axes[2].plot(cs, [r["itl_p50_ms"] for r in rows], "o-", label=name)
-    for ax, title in zip(axes, ("output tokens/s", "TTFT p50 (ms)", "inter-token latency p50 (ms)")):
+        line = axes[1].plot(cs, [r["ttft_p50_ms"] for r in rows], "o-", label=name)[0]
+        axes[1].plot(cs, [r["ttft_p99_ms"] for r in rows], "--", color=line.get_color(), alpha=0.6)
+        line = axes[2].plot(cs, [r["itl_p50_ms"] for r in rows], "o-", label=name)[0]
+        axes[2].plot(cs, [r["itl_p99_ms"] for r in rows], "--", color=line.get_color(), alpha=0.6)
+    for ax, title in zip(axes, ("output tokens/s", "TTFT p50 (solid), p99 (dashed), ms",
+                                "inter-token latency p50 (solid), p99 (dashed), ms")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent clients")
         ax.set_title(title)
@@ -103,15 +123,16 @@ def plot(res, path):
 def markdown(res) -> str:
     lines = [f"{res['requests']} requests per load level, {res['max_tokens']} new tokens each (greedy), "
              "held-out prompts (~90 tokens)", "",
-             "| server | load | output tok/s | req/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | errors |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| server | load | output tok/s | req/s | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | ITL p50 ms | ITL p90 ms "
+             "| ITL p99 ms | errors |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, rows in res["servers"].items():
         for r in rows:
             load = f"{r['concurrency']} clients" if "concurrency" in r else f"{r['rate']} req/s Poisson"
             f = lambda x, d=0: "-" if x is None else f"{x:.{d}f}"  # noqa: E731
             lines.append(f"| {name} | {load} | {f(r['output_tok_s'], 1)} | {f(r['requests_s'], 2)} | "
-                         f"{f(r['ttft_p50_ms'])} | {f(r['ttft_p99_ms'])} | {f(r['itl_p50_ms'], 1)} | "
-                         f"{f(r['itl_p99_ms'], 1)} | {r['errors']} |")
+                         f"{f(r['ttft_p50_ms'])} | {f(r.get('ttft_p90_ms'))} | {f(r['ttft_p99_ms'])} | "
+                         f"{f(r['itl_p50_ms'], 1)} | {f(r.get('itl_p90_ms'), 1)} | {f(r['itl_p99_ms'], 1)} | {r['errors']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -124,14 +145,21 @@ def main(argv=None):
     ap.add_argument("--out", type=Path, default=RESULTS / "serve")
     ap.add_argument("--baseline", type=Path, help="also serve with this other trtspec checkout (same engines)")
     ap.add_argument("--no-hf", action="store_true", help="leave out the HF generate() server")
+    ap.add_argument("--llama-server", type=Path, help="llama.cpp's llama-server binary: serve the same model with it")
+    ap.add_argument("--llama-model", type=Path, help="the bundled target converted to GGUF (float32)")
+    ap.add_argument("--llama-draft", type=Path, help="the bundled draft converted to GGUF (float32)")
+    ap.add_argument("--only", nargs="+", help="only the servers whose names contain one of these")
     args = ap.parse_args(argv)
+    if args.llama_server is not None and args.llama_model is None:
+        ap.error("--llama-server needs --llama-model (the target in GGUF)")
     if args.baseline is not None and not (args.baseline / "trtspec" / "__init__.py").is_file():
         ap.error("--baseline must be a trtspec checkout (a directory with trtspec/__init__.py)")
     prompts = load_prompts(ROOT / "models" / "heldout.json")
     res = {"requests": args.requests, "max_tokens": args.max_tokens, "servers": {}, "texts": {}}
     procs, urls = [], {}
     try:
-        for name, (cmd, env) in servers(args.baseline, hf=not args.no_hf).items():
+        llama = (args.llama_server, args.llama_model, args.llama_draft) if args.llama_server else None
+        for name, (cmd, env) in servers(args.baseline, hf=not args.no_hf, llama=llama, only=args.only).items():
             port = free_port()
             procs.append(start(cmd, port, env))
             urls[name] = f"http://127.0.0.1:{port}/v1"
@@ -154,7 +182,7 @@ def main(argv=None):
         for proc in procs:
             proc.wait(60)
     texts = res["texts"]
-    first = texts["trtspec serve (plain)"]
+    first = texts.get("trtspec serve (plain)")
     res["outputs_identical_to_trtspec_plain"] = {name: t == first for name, t in texts.items() if t is not first}
     del res["texts"]
     args.out.parent.mkdir(parents=True, exist_ok=True)

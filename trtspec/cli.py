@@ -248,7 +248,8 @@ def _add_serve(sub):
     _add_engine_arguments(p)
     p.add_argument("--max-batch", type=_positive_int, help="engine rows to use (default: all the engines have)")
     p.add_argument("--max-queue", type=_positive_int, help="waiting requests beyond which new ones get 429")
-    p.add_argument("--prefill-chunk", type=_positive_int, default=64, help="prompt tokens read per row per round")
+    p.add_argument("--prefill-chunk", type=_positive_int, default=128,
+                   help="prompt tokens read per round (the first waiting prompt's part, then whole prompts that fit)")
     p.add_argument("--prefix-cache-mb", type=float, default=256.0, help="KV kept for prefix reuse (0: off)")
     p.add_argument("--system-prompt", action="append", default=[],
                    help="text whose KV is computed at start and pinned for reuse (e.g. a shared system prompt)")

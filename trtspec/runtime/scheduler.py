@@ -4,15 +4,18 @@ Engine rows are slots (llama.cpp's server, DESIGN.md §7). Each round:
   1. admission: waiting requests (highest priority first, aged so none starves) take free rows; a
      prompt that starts with tokens already computed (a finished request's, or a registered prefix)
      gets those cache slots copied in instead of recomputed;
-  2. prompts: rows still reading their prompt (after the decoding rows) get up to ``prefill_chunk``
-     tokens each, first come first served, in one target call (shorter chunks padded beyond their
-     length: the pads' cache writes land in slots the mask hides and later writes overwrite); the
-     draft reads the same chunks. A row that finishes its prompt emits its first token and joins the
-     decoding rows, verifying in this very round. So a long prompt never stalls the others;
+  2. prompts: rows still reading their prompt (after the decoding rows) share ``prefill_chunk``
+     tokens, first come first served (the first its next part, the others only whole prompts), in one
+     target call (shorter chunks padded beyond their length: the pads' cache writes land in slots the
+     mask hides and later writes overwrite). A row that finishes its prompt emits its first token (then
+     the draft reads the same chunks) and joins the decoding rows, verifying in this very round. So a
+     long prompt never stalls the others;
   3. k: each decoding row may draft up to its own k; load-aware k picks this round's k from the
      measured call costs at the current batch size, 0 when drafting does not pay;
   4. draft (drafters.Drafter.propose) and verify: ONE target call [D, k+1] over the decoding rows'
-     [last token, drafts...] (rows with fewer drafts padded);
+     [last token, drafts...] (rows with fewer drafts padded). A request that arrived while the round
+     drafted is admitted and reads its prompt before the verify call (its first token does not wait for
+     the rest of the round and the next one's admission);
   5. acceptance per row with its own sampling parameters and randomness (speculative.RowSampler); the
      accepted tokens join the request through the one stop rule (output.RequestOutput); retirement:
      finished or cancelled rows leave at once (the last row moves into the hole).
@@ -73,7 +76,7 @@ class Scheduler:
     "draft" (default when a draft is given), "prompt_lookup" or "none". ``num_draft_tokens`` is the
     default k of a request (each may ask for its own). ``k_policy`` "load-aware" chooses each
     round's k from measured costs at the current batch size (down to 0); "fixed" drafts every
-    row's own k. ``prefill_chunk`` bounds the prompt tokens a row reads per round.
+    row's own k. ``prefill_chunk`` bounds the prompt tokens read per round (one call).
     ``prefix_cache_mb`` bounds the KV slots kept for reuse (0 disables it); prompts sharing at
     least ``min_prefix_tokens`` tokens with a cached sequence reuse them. ``sampling`` is how
     sampled requests verify drafts (sampling.RowSampler). ``aging_s``: waiting this long counts
@@ -89,7 +92,7 @@ class Scheduler:
         num_draft_tokens: int = 4,
         k_policy: str = "load-aware",
         max_batch: int | None = None,
-        prefill_chunk: int = 64,
+        prefill_chunk: int = 128,
         prefix_cache_mb: float = 256.0,
         min_prefix_tokens: int = 16,
         sampling: str = "coupled",
@@ -535,8 +538,8 @@ class Scheduler:
         return np.array([max(0, min(t_cap - 1, r.output.limit - len(r.output.token_ids) - 1)) for r in rows], np.int64)
 
     def _keeps_going(self, r) -> bool:
-        """A lone row's loop goes on: it runs, and nobody arrived whom a free row could take."""
-        return r.finish_reason is None and not r.cancelled and not self._arrival_fits()
+        """A lone row's loop goes on: it runs, it is still alone, and nobody arrived whom a free row could take."""
+        return r.finish_reason is None and not r.cancelled and len(self._rows) == 1 and not self._arrival_fits()
 
     def _arrival_fits(self) -> bool:
         """A request is waiting and a row is free for it: the lone-row loops hand back to the round loop."""
@@ -563,6 +566,14 @@ class Scheduler:
         if forced is not None:
             self._constrain(rows, proposal, forced)
         t1 = time.perf_counter()
+        if self._arrival_fits():
+            # a request arrived while this round drafted: it reads its prompt (and gets its first token) now, not
+            # after this round's verify and the next round's admission; its rows are past these, untouched here
+            self._admit()
+            if len(self._rows) > self._decoding:
+                self._prefill_round()
+            shift = time.perf_counter() - t1  # counted as prefill: the round's own timings leave it out
+            t0, t1 = t0 + shift, t1 + shift
         drafts, counts = proposal.drafts, proposal.counts
         width = int(counts.max()) + 1
         if b == 1:
@@ -703,6 +714,8 @@ class Scheduler:
         chunks, budget = [], min(self.prefill_chunk, t_cap)
         for i in range(last - first):
             rest = int(plen[i] - tc[i])
+            if chunks and rest > budget:
+                break  # after the first row, only whole prompts: a part would delay the first's token for nothing
             chunks.append(min(rest, budget))
             budget -= chunks[-1]
             if budget == 0 or chunks[-1] < rest:
@@ -716,10 +729,6 @@ class Scheduler:
         ids = np.where(offsets < chunk[:, None], np.take_along_axis(self._tokens[first : first + p], src, axis=1), self.pad_id)
         t0 = time.perf_counter()
         logits = self.target.forward(ids, pos, first_row=first)
-        self.drafter.prefill(ids, pos, first, chunk)
-        if self.draft is not None:
-            self._stats.draft_calls += 1
-        self._stats.prefill_s += time.perf_counter() - t0
         self._stats.target_calls += 1
         completed = 0
         for i in range(p):
@@ -732,15 +741,22 @@ class Scheduler:
                 continue
             completed += 1  # served first come first served: completions are rows first, first + 1, ...
             r.prompt_read = True
-            if r.shared_prefix is not None:  # the other samples of this prompt start from its slots
-                keep = int(plen[i]) - 1
-                r.shared_prefix = (keep, self.target.save_prefix(s, keep), self.drafter.save_prefix(s, keep)) if keep else None
             if r.prefix_only:
                 r.finish_reason = "stop"
                 continue
             tok = r.sampler.choose(logits[i, chunk[i] - 1], int(self._n[s]))
             self._emit(s, r, [tok])
             r.stats.time_to_first_token_s = r.last_emit - r.submitted
+        # the draft reads the same chunks after the first tokens went out: they need only the target
+        self.drafter.prefill(ids, pos, first, chunk)
+        if self.draft is not None:
+            self._stats.draft_calls += 1
+        for i in range(completed):
+            s, r = first + i, self._rows[first + i]
+            if r.shared_prefix is not None:  # the other samples of this prompt start from its slots
+                keep = r.prompt_ids.size - 1
+                r.shared_prefix = (keep, self.target.save_prefix(s, keep), self.drafter.save_prefix(s, keep)) if keep else None
+        self._stats.prefill_s += time.perf_counter() - t0
         self._decoding += completed
 
     def _prompt_logprobs(self, r, logits, start):

@@ -126,7 +126,8 @@ def summarize(records: list[RequestRecord], wall: float) -> dict:
         "requests": len(records), "errors": len(records) - len(ok),
         "error_examples": sorted({r.error or str(r.status) for r in records if not r.ok})[:3],
         "output_tok_s": tokens / wall if wall else 0.0, "requests_s": len(ok) / wall if wall else 0.0,
-        "ttft_p50_ms": pct([r.ttft_s for r in ok], 50), "ttft_p99_ms": pct([r.ttft_s for r in ok], 99),
-        "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99),
+        "ttft_p50_ms": pct([r.ttft_s for r in ok], 50), "ttft_p90_ms": pct([r.ttft_s for r in ok], 90),
+        "ttft_p99_ms": pct([r.ttft_s for r in ok], 99),
+        "itl_p50_ms": pct(itl, 50), "itl_p90_ms": pct(itl, 90), "itl_p99_ms": pct(itl, 99),
         "latency_p50_ms": pct([r.latency_s for r in ok], 50), "wall_s": wall, "output_tokens": tokens,
     }

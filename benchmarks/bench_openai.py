@@ -1,0 +1,144 @@
+"""What the OpenAI surface costs, on the bundled pair (2 threads, in one process, rounds alternating):
+
+1. logprobs: greedy generation with the draft, logprobs off vs on (logprobs=5: each token's and 5 alternatives).
+2. structured output: JSON documents under a json_schema (runtime/grammar.py), with the draft vs without it (both
+   with jump-forward: forced tokens are verified without drafting), greedy and sampled; every output is validated.
+3. the grammar mask's share of a decode step: the time in the mask (llguidance's bitmask and its application to
+   the logits) per token, against a batch-1 target decode call measured in the same run.
+
+    .venv/bin/python benchmarks/bench_openai.py [--rounds 5] [--max-tokens 128]
+
+Writes benchmarks/results/openai.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import RESULTS, ROOT, save_results  # noqa: E402
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "summary": {"type": "string", "maxLength": 200},
+        "arguments": {"type": "array", "maxItems": 4, "items": {
+            "type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
+                                             "default": {"type": ["string", "null"], "maxLength": 24}},
+            "required": ["name", "default"], "additionalProperties": False}},
+        "returns": {"type": "string", "maxLength": 60},
+    },
+    "required": ["name", "summary", "arguments", "returns"],
+    "additionalProperties": False,
+}
+PROMPTS = [
+    'def list_python_files(top):\n    """Return the Python files under top."""\n\n# as JSON:\n',
+    "class LRUCache:\n    def __init__(self, capacity):\n\n# as JSON:\n",
+    "def parse_args(argv=None):\n    parser = argparse.ArgumentParser()\n\n# as JSON:\n",
+    "def read_config(path, defaults=None):\n\n# as JSON:\n",
+]
+
+
+def timed(gen, prompts, **kw):
+    t0 = time.perf_counter()
+    out = gen.generate(prompts, **kw)
+    return out, time.perf_counter() - t0
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--out", type=Path, default=RESULTS / "openai")
+    args = ap.parse_args(argv)
+    import jsonschema
+
+    from trtspec import Generator, load_engine
+    from trtspec.bench import load_prompts
+    from trtspec.runtime import grammar as grammar_module
+
+    target = load_engine(ROOT / "engines" / "stdlib-target", num_threads=2)
+    draft = load_engine(ROOT / "engines" / "stdlib-draft", num_threads=2)
+    spec = Generator(target, draft, num_draft_tokens=4)
+    heldout = load_prompts(ROOT / "models" / "heldout.json")[:8]
+    fmt = {"type": "json_schema", "json_schema": {"name": "function", "schema": SCHEMA}}
+
+    # the mask's own time, every call, through the Constraint the runtime uses
+    mask_s = []
+    original = grammar_module.Constraint.mask
+
+    def timed_mask(self, x):
+        t0 = time.perf_counter()
+        original(self, x)
+        mask_s.append(time.perf_counter() - t0)
+
+    grammar_module.Constraint.mask = timed_mask
+    rows = {"logprobs off": [], "logprobs on (5)": [],
+            "json_schema greedy, draft": [], "json_schema greedy, no draft": [],
+            "json_schema sampled, draft": [], "json_schema sampled, no draft": []}
+    tokens, invalid, decode_ms, forced, calls = {}, 0, [], {}, {}
+    spec.generate(heldout[:2], max_new_tokens=16)  # warm-up
+    for rnd in range(args.rounds):
+        runs = [("logprobs off", heldout, {}), ("logprobs on (5)", heldout, {"logprobs": 5})]
+        for temperature, label in ((0.0, "greedy"), (0.8, "sampled")):
+            for k, which in ((None, "draft"), (0, "no draft")):
+                runs.append((f"json_schema {label}, {which}", PROMPTS,
+                             {"response_format": fmt, "temperature": temperature, "seed": 7, "num_draft_tokens": k}))
+        if rnd % 2:
+            runs = runs[::-1]  # alternate the order between rounds
+        for name, prompts, kw in runs:
+            out, seconds = timed(spec, prompts, max_new_tokens=args.max_tokens, **kw)
+            n = sum(len(r.token_ids) for r in out)
+            rows[name].append(n / seconds)
+            tokens[name] = n
+            forced[name] = sum(r.stats.forced_tokens for r in out)
+            calls[name] = sum(r.stats.target_calls for r in out)
+            if "json" in name:
+                for r in out:
+                    try:
+                        jsonschema.validate(json.loads(r.text), SCHEMA)
+                    except (ValueError, jsonschema.ValidationError):
+                        invalid += r.finish_reason != "length"  # cut by max_tokens is not the grammar's fault
+        times = []
+        target.forward(np.array([[1]]), np.array([[0]]))
+        for i in range(32):
+            t0 = time.perf_counter()
+            target.forward(np.array([[5]]), np.array([[i + 1]]))
+            times.append(time.perf_counter() - t0)
+        decode_ms.append(1e3 * statistics.median(times))
+    grammar_module.Constraint.mask = original
+    decode = statistics.median(decode_ms)
+    mask_us = 1e6 * statistics.median(mask_s)
+    med = {name: statistics.median(v) for name, v in rows.items()}
+    res = {"rounds": args.rounds, "max_tokens": args.max_tokens, "tok_s_median": med, "tok_s_rounds": rows,
+           "tokens": tokens, "forced_tokens": forced, "target_calls": calls, "invalid_documents": invalid,
+           "decode_step_ms": decode, "mask_us_median": mask_us, "mask_calls": len(mask_s),
+           "ratios": {"logprobs on / off": med["logprobs on (5)"] / med["logprobs off"],
+                      "json greedy draft / no draft": med["json_schema greedy, draft"] / med["json_schema greedy, no draft"],
+                      "json sampled draft / no draft": (med["json_schema sampled, draft"]
+                                                        / med["json_schema sampled, no draft"]),
+                      "mask / decode step": mask_us / 1e3 / decode}}
+    lines = [f"# The OpenAI surface's costs (bundled pair, 2 threads, {args.rounds} alternating rounds, medians)", "",
+             "| run | tok/s | tokens | forced tokens | target calls |", "|---|---|---|---|---|"]
+    for name, v in med.items():
+        lines.append(f"| {name} | {v:.1f} | {tokens[name]} | {forced[name]} | {calls[name]} |")
+    r = res["ratios"]
+    lines += ["", f"- logprobs on / off: {r['logprobs on / off']:.3f}",
+              f"- json_schema with the draft / without: greedy {r['json greedy draft / no draft']:.2f}x, "
+              f"sampled {r['json sampled draft / no draft']:.2f}x",
+              f"- grammar mask: {mask_us:.1f} us per token = {100 * r['mask / decode step']:.1f} % of a decode step "
+              f"({decode:.2f} ms, batch 1)",
+              f"- documents that failed to validate: {invalid} (of {4 * 4 * args.rounds})"]
+    save_results(args.out, res, "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
