@@ -1,5 +1,7 @@
 """What the OpenAI surface costs, on the bundled pair (2 threads, in one process, rounds alternating):
 
+Each prompt runs alone (batch 1), one after another.
+
 1. logprobs: greedy generation with the draft, logprobs off vs on (logprobs=5: each token's and 5 alternatives).
 2. structured output: JSON documents under a json_schema (runtime/grammar.py), with the draft vs without it (both
    with jump-forward: forced tokens are verified without drafting), greedy and sampled; every output is validated.
@@ -48,8 +50,9 @@ PROMPTS = [
 
 
 def timed(gen, prompts, **kw):
+    """Each prompt alone (batch 1, the latency case), one after another: results and total seconds."""
     t0 = time.perf_counter()
-    out = gen.generate(prompts, **kw)
+    out = [gen.generate(p, **kw) for p in prompts]
     return out, time.perf_counter() - t0
 
 
@@ -86,6 +89,7 @@ def main(argv=None):
             "json_schema sampled, draft": [], "json_schema sampled, no draft": []}
     tokens, invalid, decode_ms, forced, calls = {}, 0, [], {}, {}
     spec.generate(heldout[:2], max_new_tokens=16)  # warm-up
+    spec.generate(PROMPTS[0], max_new_tokens=16, response_format=fmt)
     for rnd in range(args.rounds):
         runs = [("logprobs off", heldout, {}), ("logprobs on (5)", heldout, {"logprobs": 5})]
         for temperature, label in ((0.0, "greedy"), (0.8, "sampled")):

@@ -66,7 +66,7 @@ def servers(baseline: Path | None = None, hf: bool = True, llama: tuple | None =
         binary, model, draft_gguf = llama
         # 8 slots of 512 positions (the trtspec engines' rows and capacity), 2 threads, the same greedy requests
         base = [str(binary), "-m", str(model), "--host", "127.0.0.1", "-t", "2", "-tb", "2", "-np", "8", "-c", "4096",
-                "-a", "stdlib", "--no-webui"]
+                "-a", "stdlib", "--no-webui", "--no-cache-prompt", "-cram", "0"]  # no prompt reuse, as trtspec here
         out["llama-server (8 slots)"] = (base, None)
         if draft_gguf is not None:
             out["llama-server (8 slots, draft)"] = (base + ["-md", str(draft_gguf), "--spec-type", "draft-simple",
@@ -180,7 +180,11 @@ def main(argv=None):
         for proc in procs:
             proc.terminate()
         for proc in procs:
-            proc.wait(60)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:  # llama-server may ignore SIGTERM with requests it never finished
+                proc.kill()
+                proc.wait()
     texts = res["texts"]
     first = texts.get("trtspec serve (plain)")
     res["outputs_identical_to_trtspec_plain"] = {name: t == first for name, t in texts.items() if t is not first}
