@@ -12,27 +12,11 @@ import openai
 import pytest
 
 from conftest import ARCH, Server, hf_logits
+from test_server import draft, server, target  # noqa: F401 - the same fixtures: chat model, draft, server
 from trtspec import Generator, Scheduler, load_engine
 from trtspec.server import create_app
 
 PROMPTS = ["def add(a, b):", "The quick brown fox jumps over the lazy dog. The quick", "import os"]
-
-
-@pytest.fixture(scope="module")
-def target(chat_export):
-    return load_engine(chat_export)
-
-
-@pytest.fixture(scope="module")
-def draft(perturbed_export):
-    return load_engine(perturbed_export(ARCH, 0.3, max_seq_len=128, max_batch=4))
-
-
-@pytest.fixture(scope="module")
-def server(target, draft):
-    scheduler = Scheduler(target, draft, num_draft_tokens=3)
-    with Server(create_app(scheduler, model_name="tiny")) as s:
-        yield s
 
 
 @pytest.fixture(scope="module")
