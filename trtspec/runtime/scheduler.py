@@ -322,11 +322,7 @@ class Scheduler:
         """submit_n from a coroutine."""
         loop = asyncio.get_running_loop()
         requests = self._group(prompt, n, params)
-        handles = []
-        for r in requests:
-            h = AsyncRequestHandle(self, r)
-            r.sink = (lambda q: lambda event: loop.call_soon_threadsafe(q.put_nowait, event))(h._queue)
-            handles.append(h)
+        handles = [self._async_handle(r, loop) for r in requests]
         self._enqueue(requests)
         return handles
 
@@ -346,11 +342,14 @@ class Scheduler:
     def submit_async(self, prompt, **params) -> AsyncRequestHandle:
         """Queue one request from a coroutine (validated here, raising the user's error); ``async for`` the
         returned handle for text deltas, then read ``handle.result``. The event loop never waits on an engine."""
-        loop = asyncio.get_running_loop()
         request = self.make_request(prompt, **params)
+        handle = self._async_handle(request, asyncio.get_running_loop())
+        self._enqueue([request])
+        return handle
+
+    def _async_handle(self, request, loop) -> AsyncRequestHandle:
         handle = AsyncRequestHandle(self, request)
         request.sink = lambda event: loop.call_soon_threadsafe(handle._queue.put_nowait, event)
-        self._enqueue([request])
         return handle
 
     async def agenerate(self, prompt, **params) -> GenerationResult:

@@ -165,8 +165,9 @@ class RowSampler:
                 if j < m and chosen[j] != drafts[j]:
                     break
             a, token = accept_chosen(drafts, np.asarray(chosen))
-        for j, t in enumerate([*drafts[:a].tolist(), token]):
-            self._record(processed.logits(j), t)
+        if self.params.logprobs is not None:
+            for j, t in enumerate([*drafts[:a].tolist(), token]):
+                self._record(processed.logits(j), t)
         if proc is not None:
             proc.rollback()
         return a, token

@@ -220,12 +220,10 @@ def create_app(scheduler, *, model_name: str, api_key: str | None = None, max_qu
             for handle in handles:
                 await handle.start()  # a remote scheduler routes the request here (and may refuse it)
         except (ValueError, TypeError) as exc:
-            for handle in handles:
-                handle.cancel()
+            _cancel_all(handles)
             raise APIError(400, str(exc)) from None
         except RequestFailedError as exc:
-            for handle in handles:
-                handle.cancel()
+            _cancel_all(handles)
             metrics.request_done("chat" if kind == "chat.completion" else "completions", 500)
             raise APIError(500, str(exc), type="server_error") from None
         logprobs = LogprobsFormat(scheduler.tokenizer, kind, ids, echo) if params.get("logprobs") is not None else None
@@ -251,13 +249,11 @@ def create_app(scheduler, *, model_name: str, api_key: str | None = None, max_qu
         while not consume.done():  # a client that hangs up cancels its request
             await asyncio.wait({consume}, timeout=0.25)
             if not consume.done() and await request.is_disconnected():
-                for handle in handles:
-                    handle.cancel()
+                _cancel_all(handles)
         try:
             await consume
         except RequestFailedError as exc:
-            for handle in handles:
-                handle.cancel()
+            _cancel_all(handles)
             finished(500)
             raise APIError(500, str(exc), type="server_error") from None
         results = [h.result for h in handles]
@@ -315,17 +311,19 @@ def create_app(scheduler, *, model_name: str, api_key: str | None = None, max_qu
             status = 200
         except RequestFailedError as exc:
             status = 500
-            for handle in handles:
-                handle.cancel()
             yield f"data: {json.dumps(APIError(500, str(exc), type='server_error').body)}\n\n"
             yield "data: [DONE]\n\n"
         finally:
-            if status != 200:
-                for handle in handles:
-                    handle.cancel()
+            if status != 200:  # failed, or the client went away: the other choices stop too
+                _cancel_all(handles)
             finished(status, results)
 
     return app
+
+
+def _cancel_all(handles):
+    for handle in handles:
+        handle.cancel()
 
 
 async def _drain(handle):
@@ -399,7 +397,8 @@ class LogprobsFormat:
         return {"content": [{**item(t, lp), "top_logprobs": [item(a, b) for a, b in top]} for t, lp, top in entries],
                 "refusal": None}
 
-    def _completion(self, entries, offset: int) -> dict:
+    def _completion(self, entries, offset: int) -> tuple[dict, int]:
+        """Completions' shape, text offsets from ``offset``; and the offset after the last token."""
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for i, entry in enumerate(entries):
             if entry is None:  # the prompt's first token
@@ -412,7 +411,7 @@ class LogprobsFormat:
             out["top_logprobs"].append(top)
             out["text_offset"].append(offset)
             offset += len(self._text(token))
-        return out
+        return out, offset
 
     def whole(self, result) -> dict:
         if self.chat:
@@ -420,7 +419,7 @@ class LogprobsFormat:
         entries = list(result.logprobs or [])
         if self.echo is not None:
             entries = list(result.prompt_logprobs or []) + entries
-        return self._completion(entries, 0)
+        return self._completion(entries, 0)[0]
 
     def piece(self, index: int, delta, first: bool = False) -> dict:
         """A streamed delta's entries; the ``first`` piece of an echoed choice has the prompt's in front."""
@@ -430,8 +429,7 @@ class LogprobsFormat:
         if first:
             entries = list(getattr(delta, "prompt_logprobs", None) or []) + entries
         offset = self._offsets.get(index, 0 if first or self.echo is None else len(self.echo))
-        lp = self._completion(entries, offset)
-        self._offsets[index] = offset + sum(len(self._text(e[0] if e else self.prompt_ids[0])) for e in entries)
+        lp, self._offsets[index] = self._completion(entries, offset)
         return lp
 
 def _finish(result) -> str:
