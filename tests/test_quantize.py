@@ -11,7 +11,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from conftest import hf_logits, random_ids
+from conftest import MAX_BATCH, S_MAX, hf_logits, random_ids
 from trtspec import ArtifactError, Generator, build, load_engine
 from trtspec.builder.tensorrt_check import check_export
 from trtspec.quantization import CalibrationError, numerics, qdq_violations, quantize
@@ -145,12 +145,33 @@ def test_awq_search_picks_the_grid_point_with_the_least_output_error():
     assert alpha > 0 and loss < rtn_loss
 
 
+def test_awq_search_in_bfloat16_picks_a_scale_within_one_percent_of_the_float32_best():
+    """Where bfloat16 matmuls are fast the search's error products run in bfloat16: the alpha it picks must be as
+    good as float32's, judged in float32."""
+    import torch
+
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((512, 64)).astype(np.float32)
+    x[:, [3, 17]] *= 25
+    w = rng.standard_normal((64, 96)).astype(np.float32)
+    mean_abs = np.abs(x).mean(axis=0)
+    exact = numerics.awq_search(x, mean_abs, [w], 32)
+    fast = numerics.awq_search(x, mean_abs, [w], 32, matmul_dtype=torch.bfloat16)
+    loss_of = {}
+    for a in np.arange(20) / 20:
+        t = mean_abs**a
+        t = t / np.sqrt(t.max() * t.min())
+        loss_of[round(a, 2)] = np.square((x / t) @ ref_int4(w * t[:, None], 32) - x @ w).sum()
+    assert exact[1] > 0 and loss_of[round(fast[1], 2)] <= 1.01 * min(loss_of.values())
+    assert fast[3] == pytest.approx(exact[3], rel=1e-2)  # round-to-nearest's loss, in both
+
+
 def test_awq_clip_search_picks_each_blocks_best_range():
     rng = np.random.default_rng(8)
     x = rng.standard_normal((48, 32)).astype(np.float32)
     w = rng.standard_normal((32, 5)).astype(np.float32)
     w[0, 0] = 8.0  # one outlier: clipping its block should pay
-    clip, loss, unclipped = numerics.awq_clip_search(x, w, 16)
+    clip, loss, unclipped = numerics.awq_clip_search(numerics.block_gram(x, 16), w, 16)
     ratios = [1.0 - 0.05 * i for i in range(10)]
     for b in range(2):
         rows = slice(16 * b, 16 * b + 16)
@@ -163,6 +184,43 @@ def test_awq_clip_search_picks_each_blocks_best_range():
                 errors.append(np.square(x[:, rows] @ (col - q)).sum())
             assert clip[b, n] == pytest.approx(ratios[int(np.argmin(errors))])
     assert clip[0, 0] < 1.0 and loss < unclipped
+
+
+@pytest.fixture(scope="module")
+def exported_external(model_dir, tmp_path_factory):
+    """The llama export with its weights in external data, as every model over 1 GiB is (threshold lowered)."""
+    import trtspec.exporter.step_graph as step_graph
+    from trtspec import export
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(step_graph, "EXTERNAL_DATA_BYTES", 0)
+        return export(model_dir("llama"), tmp_path_factory.mktemp("external") / "a", max_seq_len=S_MAX,
+                      max_batch=MAX_BATCH)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_exports_in_external_data_quantize_to_what_inline_exports_do(exported_external, quantized, tmp_path,
+                                                                      monkeypatch, mode):
+    """Issue 30: quantizing failed on every model whose weights lie in model.onnx.data. Every mode now reads and
+    writes external data, passes the rules and `trtspec check`, builds, and stores exactly the initializers the
+    same quantization of the inline export stores."""
+    import trtspec.exporter.step_graph as step_graph
+
+    inline = quantized("llama", mode)  # (made first: the session's exports stay inline)
+    monkeypatch.setattr(step_graph, "EXTERNAL_DATA_BYTES", 0)
+    assert (exported_external / "model.onnx.data").is_file()
+    options = {"calib_samples": CALIB[mode]} if mode in CALIB else {}
+    out = quantize(exported_external, tmp_path / "q", mode=mode, **options, **({"block_size": 32} if "int4" in mode else {}))
+    assert (out / "model.onnx.data").is_file() and check_export(out) == []
+    ours = {i.name: numpy_helper.to_array(i) for i in onnx.load(str(out / "model.onnx")).graph.initializer}
+    theirs = {i.name: numpy_helper.to_array(i) for i in onnx.load(str(inline / "model.onnx")).graph.initializer}
+    assert ours.keys() == theirs.keys()
+    for name, value in ours.items():
+        np.testing.assert_array_equal(value, theirs[name], err_msg=name)
+    ids = random_ids(7, seed=4)
+    got = load_engine(build(out, tmp_path / "engine")).forward(ids[None], np.arange(7)[None])
+    want = load_engine(build(inline, tmp_path / "inline")).forward(ids[None], np.arange(7)[None])
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
 
 
 # -- passes on graphs ----------------------------------------------------------------------------------
@@ -667,7 +725,7 @@ def test_gptq_reconstruction_error_is_below_round_to_nearest(exported):
     windows = calibrate.token_windows(texts, AutoTokenizer.from_pretrained(src / "tokenizer"), 8, 64)
     stats = calibrate.collect(src / "model.onnx", manifest["model"], names, windows, hessian=True)
     for lin in linears:
-        w, xtx = lin.weight_array(), stats[lin.activation.name].xtx
+        w, xtx = lin.weight_array(), stats[lin.activation.name].xtx.double().numpy()
 
         def error(deq):
             d = (deq - w).astype(np.float64)

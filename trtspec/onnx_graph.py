@@ -8,7 +8,9 @@ from onnx import helper
 class GraphIndex:
     """Indexes of one graph: producers, initializers, constants, value types."""
 
-    def __init__(self, model):
+    def __init__(self, model, base_dir=None):
+        """``base_dir``: the directory of the model's file, where initializers stored as external data are
+        read from (a model loaded with ``load_external_data=False``)."""
         graph = model.graph
         self.graph = graph
         self.inputs = {i.name: i for i in graph.input}
@@ -23,6 +25,7 @@ class GraphIndex:
         self.constants = {n.output[0]: n for n in graph.node if n.op_type == "Constant"}
         self.types = {v.name: v.type for v in [*graph.value_info, *graph.input, *graph.output]}
         self._model = model
+        self._base_dir = str(base_dir) if base_dir is not None else ""
         self._inferred = False
 
     def tensor_type(self, name: str):
@@ -43,6 +46,12 @@ class GraphIndex:
         if node is not None:
             return next((a.t for a in node.attribute if a.name == "value"), None)
         return None
+
+    def array(self, tensor):
+        """A constant's values as numpy, read from the external data file when stored there."""
+        from onnx import numpy_helper
+
+        return numpy_helper.to_array(tensor, self._base_dir)
 
     def describe(self, name: str) -> str:
         node = self.producer.get(name)

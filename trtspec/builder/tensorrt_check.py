@@ -117,10 +117,12 @@ def _check_cache_dtypes(g, model):
             )
 
 
-def tensorrt_violations(model_proto, model: dict) -> list[str]:
-    """Every documented reason TensorRT would refuse or mis-import this step graph, one line each, naming the node."""
+def tensorrt_violations(model_proto, model: dict, base_dir=None) -> list[str]:
+    """Every documented reason TensorRT would refuse or mis-import this step graph, one line each, naming the node.
+
+    ``base_dir``: the graph file's directory, for a model loaded without its external data."""
     problems = [f"contract: {p}" for p in contract_violations(model_proto, model["num_layers"])]
-    g = GraphIndex(model_proto)
+    g = GraphIndex(model_proto, base_dir)
     problems += _check_cache_dtypes(g, model)
     for node in model_proto.graph.node:
         for rule in NODE_RULES:
@@ -137,7 +139,7 @@ def check_export(export_dir: str | os.PathLike) -> list[str]:
     if manifest["format"] != EXPORT_FORMAT:
         raise ArtifactError(f"{export_dir} is a built engine, not an export; pass the export/ directory it came from")
     model_proto = onnx.load(str(export_dir / manifest["graph"]), load_external_data=False)
-    return tensorrt_violations(model_proto, manifest["model"])
+    return tensorrt_violations(model_proto, manifest["model"], (export_dir / manifest["graph"]).parent)
 
 
 def format_report(export_dir, problems: list[str]) -> str:

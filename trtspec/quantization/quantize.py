@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +16,7 @@ import numpy as np
 from ..errors import ArtifactError
 from ..manifest import EXPORT_FORMAT, atomic_artifact, export_source, read_manifest, versions
 from . import calibrate, numerics, passes
+from ..progress import Progress
 from .report import Entry, QuantizationReport
 
 log = logging.getLogger("trtspec.quantize")
@@ -39,6 +42,10 @@ GPTQ_DAMP = 0.01
 # vs +0.779 % with o_proj scaled (block 32), +1.534 % vs +1.529 % (block 128); the tied 27.8M model's one-token
 # call 0.992x the time (`bench_quant.py --out quant-awq-fold`).
 AWQ_UNFOLDED_SCALES = False
+AWQ_GRID = 20  # alpha in 0, 0.05, ..., 0.95, as the reference implementation
+AWQ_ROWS = 512  # calibration rows (tokens) per MatMul input for AWQ's scale search, spread over the windows;
+# 2048 measured +0.520 % perplexity vs 512's +0.533 % (block 128), both +0.866 % with the lm_head in blocks of 32 (bench_quant_cost.py)
+STATS_MIN_BYTES = 256 << 20
 REPORT_FILE = "quantization_report.json"
 
 
@@ -113,7 +120,7 @@ def quantize(
                                     0, 0))
     elif tied is not None and w_fmt != "int4":
         report.entries.append(Entry(tied.name, tuple(tied.weight_array().shape), "skipped",
-                                    f"tied to the embedding; a tied lm_head is quantized in the int4 modes only", 0, 0))
+                                    "tied to the embedding; a tied lm_head is quantized in the int4 modes only", 0, 0))
         tied = None
     elif tied is not None and tied.embedding.shape[1] % block_size:
         report.entries.append(Entry(tied.name, tuple(tied.weight_array().shape), "skipped",
@@ -123,7 +130,8 @@ def quantize(
     if not quantize_lm_head:
         tied = None
 
-    calibration, stats = None, {}
+    calibration, cal = None, None
+    units = _units(groups)
     if calibrated:
         from transformers import AutoTokenizer
 
@@ -134,34 +142,26 @@ def quantize(
         calibration.update(samples=len(windows), tokens=int(sum(map(len, windows))), seq_len=seq_len,
                            tokens_sha256=calibrate.windows_sha256(windows))
         log.info("calibrating %s on %d windows of up to %d tokens", mode, len(windows), seq_len)
-        names = [g[0].activation.name for g in groups] + ([tied.activation.name] if tied is not None else [])
-        stats = calibrate.collect(graph_path, manifest["model"], list(dict.fromkeys(names)), windows,
-                                  hessian=scaling == "gptq")
-
-    amax, clips, precomputed = {}, {}, {}
-    for i, group in enumerate(groups):
-        x = group[0].activation.name
-        s = None
-        if scaling == "gptq":
-            for lin in group:
-                precomputed[lin.name] = numerics.gptq(lin.weight_array(), stats[x].xtx, block_size, damp=GPTQ_DAMP,
-                                                      act_order=act_order)
-                report.update(lin.name, detail=_gptq_detail(act_order))
-            log.info("GPTQ %d/%d: %s", i + 1, len(groups), ", ".join(lin.name for lin in group))
-        elif scaling == "smoothquant":
-            s = numerics.smoothquant_factors(stats[x].absmax, [lin.weight_array() for lin in group], SMOOTHQUANT_ALPHA)
-            passes.scale_inputs(model, group, s, report, f"SmoothQuant (alpha {SMOOTHQUANT_ALPHA})")
-        elif scaling == "awq":
-            s = _awq(model, group, stats[x], block_size, report, clips)
-            log.info("AWQ search %d/%d: %s", i + 1, len(groups), ", ".join(lin.name for lin in group))
-        if a_fmt is not None:
-            amax[id(group[0].node)] = float(np.max(stats[x].absmax / (s if s is not None else 1.0)))
-    if tied is not None:
-        _quantize_tied(model, tied, scaling, stats, block_size, act_order, report)
-    passes.quantize_weights(model, linears, w_fmt, report, block_size or 0, clips, precomputed)
-    for group in groups:
-        if a_fmt is not None:
-            passes.quantize_activations(model, group, amax[id(group[0].node)], a_fmt, report)
+        cal = calibrate.Calibration(graph_path, manifest["model"], windows)
+    wanted = _stats_wanted(scaling, block_size)
+    work = [*units, *([[[tied]]] if tied is not None else [])]  # the tied head: a unit of one group of itself
+    plan = _calibration_passes(work, cal, wanted, _stats_budget(manifest["model"])) if cal else [work]
+    progress = Progress(f"quantize {mode}", len(work), "layer", log)
+    for p, part in enumerate(plan):
+        stats = {}
+        if cal is not None:
+            names = list(dict.fromkeys(g[0].activation.name for unit in part for g in unit))
+            progress.pause()
+            stats = cal.collect(names, **wanted, what=f"pass {p + 1}/{len(plan)}" if len(plan) > 1 else "")
+            progress.resume()
+        for unit in part:
+            if isinstance(unit[0][0], passes.TiedHead):
+                _quantize_tied(model, tied, scaling, stats, block_size, act_order, report)
+            else:
+                _quantize_unit(model, unit, stats, mode, block_size, act_order, report)
+            progress.update(progress.done + 1, unit[0][0].name)
+        del stats
+    progress.close()
     if not report.quantized():
         raise ArtifactError(f"no MatMul could be quantized with {mode}:\n{report.format()}")
     model.graph.sort()
@@ -195,6 +195,98 @@ def _gptq_detail(act_order: bool) -> str:
     return f"GPTQ (damp {GPTQ_DAMP}, {'activation order' if act_order else 'channel order'})"
 
 
+def _layer_of(name: str) -> int | None:
+    """The layer index in a MatMul's name (layers.3.mlp.up_proj, h.3.attn.c_attn): its first number."""
+    m = re.search(r"(?:^|[._/])(\d+)(?=[._/]|$)", name)
+    return int(m.group(1)) if m else None
+
+
+def _units(groups: list[list[passes.Linear]]) -> list[list[list[passes.Linear]]]:
+    """The groups by layer, in graph order: a layer's AWQ scales all fold before any of its weights is rounded
+    (down_proj's 1/s folds into up_proj's columns). A group whose name has no layer number is a unit alone."""
+    units, index = [], {}
+    for group in groups:
+        layer = _layer_of(group[0].name)
+        if layer is None:
+            units.append([group])
+            continue
+        if layer not in index:
+            index[layer] = len(units)
+            units.append([])
+        units[index[layer]].append(group)
+    return units
+
+
+def _stats_wanted(scaling: str | None, block_size: int | None) -> dict:
+    """What calibration must record per MatMul input: AWQ rows for its scale search and each block's Gram matrix
+    for its clipping; GPTQ the Hessian; SmoothQuant and FP8 only |x| maxima."""
+    if scaling == "awq":  # rows in the search's matmul dtype: bfloat16 halves them where that is the fast one
+        return {"rows": AWQ_ROWS, "block_size": block_size, "rows_dtype": numerics.search_dtype()}
+    return {"hessian": scaling == "gptq"}
+
+
+def _stats_budget(model: dict) -> int:
+    """Bytes of calibration statistics one pass may hold: half the weights (onnxruntime holds the weights while
+    a pass runs, so a pass peaks near 1.5x them), at least 256 MiB."""
+    return max(STATS_MIN_BYTES, model["weight_bytes"] // 2)
+
+
+def _calibration_passes(work: list, cal, wanted: dict, budget: int) -> list[list]:
+    """``work`` (units of groups) cut into consecutive runs whose statistics fit ``budget``: one calibration pass
+    each (a pass stops onnxruntime at its last layer, so k passes cost less than k full forwards)."""
+    plan, size = [[]], 0
+    for unit in work:
+        need = sum(cal.stats_bytes(_k(g[0]), **wanted) for g in unit)
+        if plan[-1] and size + need > budget:
+            plan.append([])
+            size = 0
+        plan[-1].append(unit)
+        size += need
+    if len(plan) > 1:
+        log.info("calibration statistics need %d passes (%.0f MiB per pass at most)", len(plan), budget / 2**20)
+    return plan
+
+
+def _k(linear) -> int:
+    """K of a MatMul's [K, N] weight (a tied head: the embedding's width), from the shape alone."""
+    if isinstance(linear, passes.TiedHead):
+        return linear.embedding.shape[1]
+    return linear.weight.const_value.shape[0]
+
+
+def _quantize_unit(model, unit, stats, mode: str, block_size, act_order, report) -> None:
+    """One layer: input scaling (SmoothQuant, AWQ) of all its groups, then AWQ clipping or GPTQ, then its
+    weights (and FP8/INT8 activations) in Q/DQ. The weights it replaced are released from memory."""
+    w_fmt, a_fmt, _, scaling = MODES[mode]
+    clips, precomputed, scales = {}, {}, {}
+    seen = [stats.get(group[0].activation.name) for group in unit]  # before scaling changes the inputs' names
+    for group, x in zip(unit, seen):
+        if scaling == "smoothquant":
+            scales[id(group[0])] = numerics.smoothquant_factors(x.absmax, [lin.weight_array() for lin in group],
+                                                                SMOOTHQUANT_ALPHA)
+            passes.scale_inputs(model, group, scales[id(group[0])], report, f"SmoothQuant (alpha {SMOOTHQUANT_ALPHA})")
+        elif scaling == "awq":
+            scales[id(group[0])] = _awq_scale(model, group, x, block_size, report)
+    for group, x in zip(unit, seen):
+        if scaling == "awq":
+            _awq_clip(group, x, scales[id(group[0])], block_size, report, clips)
+        elif scaling == "gptq":
+            weights = [lin.weight_array() for lin in group]
+            q, scale = numerics.gptq(np.concatenate(weights, axis=1), x.xtx, block_size, damp=GPTQ_DAMP,
+                                     act_order=act_order)  # output channels are independent: one run per input
+            edges = np.cumsum([0] + [w.shape[1] for w in weights])
+            for lin, a, b in zip(group, edges[:-1], edges[1:]):
+                precomputed[lin.name] = (q[:, a:b], scale[:, a:b])
+                report.update(lin.name, detail=_gptq_detail(act_order))
+    passes.quantize_weights(model, [lin for group in unit for lin in group], w_fmt, report, block_size or 0, clips,
+                            precomputed)
+    if a_fmt is not None:
+        for group, x in zip(unit, seen):
+            s = scales.get(id(group[0]))  # SmoothQuant's (AWQ is weight-only)
+            passes.quantize_activations(model, group, float(np.max(x.absmax / (s if s is not None else 1.0))),
+                                        a_fmt, report)
+
+
 def _quantize_tied(model, tied, scaling, stats, block_size, act_order, report):
     """The tied embedding/lm_head weight in INT4, quantized as the head's [H, V] weight, once for both uses."""
     w = tied.weight_array()
@@ -203,44 +295,57 @@ def _quantize_tied(model, tied, scaling, stats, block_size, act_order, report):
                                  act_order=act_order)
         detail = _gptq_detail(act_order)
     elif scaling == "awq":  # AWQ's input scaling would change the embedding too: clipping only
-        clip, _, _ = numerics.awq_clip_search(stats[tied.activation.name].rows, w, block_size)
+        clip, _, _ = numerics.awq_clip_search(stats[tied.activation.name].block_gram, w, block_size)
         q, scale = numerics.int4_blocked(w, block_size, clip)
         detail = f"AWQ clipping (no input scaling: the weight is shared), {float(np.mean(clip < 1.0)):.0%} of blocks clipped"
     else:
         q, scale = numerics.int4_blocked(w, block_size)
         detail = "round to nearest"
     passes.quantize_tied_head(model, tied, q, scale, block_size, report, detail)
-    log.info("tied embedding/lm_head quantized to int4 (%s)", detail)
+    log.debug("tied embedding/lm_head quantized to int4 (%s)", detail)
 
 
-def _awq(model, group, stats, block_size: int, report: QuantizationReport, clips: dict) -> np.ndarray | None:
-    """AWQ for one group: search the input scale s and apply it, then each weight's clipping (into ``clips``).
+@dataclass
+class _AwqScale:
+    s: np.ndarray | None  # None: s = 1 was best (or the scale does not fold)
+    alpha: float
+    rtn_loss: float  # round-to-nearest's output error on the calibration rows
+    originals: list[np.ndarray]  # the group's weights before scaling
 
-    Returns s, or None when plain round-to-nearest scaling (s = 1) was best.
-    """
+
+def _awq_scale(model, group, stats, block_size: int, report: QuantizationReport) -> _AwqScale:
+    """AWQ's input scale search for one group, applied (x / s, diag(s) W)."""
     weights = [lin.weight_array() for lin in group]
-    if not AWQ_UNFOLDED_SCALES and not passes.input_scale_foldable(model, group):
-        s, alpha = np.ones(weights[0].shape[0], np.float32), 0.0  # clipping only
-        rtn_loss = sum(float(np.square(stats.rows @ (numerics.fake_quantize(w, "int4", block_size) - w)).sum())
-                       for w in weights)
+    foldable = AWQ_UNFOLDED_SCALES or passes.input_scale_foldable(model, group)
+    s, alpha, _, rtn_loss = numerics.awq_search(stats.rows, stats.mean_abs, weights, block_size,
+                                                grid=AWQ_GRID if foldable else 1, matmul_dtype=numerics.search_dtype())
+    if not foldable:
         report.notes.append(f"AWQ scale skipped on the input of {', '.join(lin.name for lin in group)}: 1/s would "
                             "not fold into the op making it (a Mul per call); clipping only")
-    else:
-        s, alpha, _, rtn_loss = numerics.awq_search(stats.rows, stats.mean_abs, weights, block_size)
     if alpha > 0.0:
         passes.scale_inputs(model, group, s, report, f"AWQ scale (alpha {alpha:.2f})")
-    x = stats.rows / s if alpha > 0.0 else stats.rows
+    return _AwqScale(s if alpha > 0.0 else None, alpha, rtn_loss, [np.array(w, np.float32) for w in weights])
+
+
+def _awq_clip(group, stats, found: _AwqScale, block_size: int, report: QuantizationReport, clips: dict) -> None:
+    """AWQ's clipping search for each (scaled) weight of the group, into ``clips``; notes the group's
+    calibration output error against round-to-nearest's."""
+    import torch
+
+    dtype = numerics.search_dtype()
+    x = stats.rows.to(dtype)
+    s = found.s
+    inv = torch.from_numpy(1.0 / s if s is not None else np.ones(stats.rows.shape[1], np.float32))[:, None]
     loss = 0.0
-    for lin, w in zip(group, weights):
+    for lin, original in zip(group, found.originals):
         scaled = lin.weight_array()
-        clips[lin.name], _, _ = numerics.awq_clip_search(x, scaled, block_size)
-        deq = numerics.fake_quantize(scaled, "int4", block_size, clips[lin.name])
-        loss += float(np.square(x @ deq - stats.rows @ w.astype(np.float32)).sum())
+        clips[lin.name], _, _ = numerics.awq_clip_search(stats.block_gram, scaled, block_size, s=s)
+        deq = torch.from_numpy(numerics.fake_quantize(scaled, "int4", block_size, clips[lin.name]))
+        loss += float(torch.square((x @ (torch.from_numpy(original) - deq * inv).to(dtype)).float()).sum())
         clipped = float(np.mean(clips[lin.name] < 1.0))
-        report.update(lin.name, detail=f"AWQ alpha {alpha:.2f}, {clipped:.0%} of blocks clipped")
+        report.update(lin.name, detail=f"AWQ alpha {found.alpha:.2f}, {clipped:.0%} of blocks clipped")
     report.notes.append(f"AWQ on the input of {', '.join(lin.name for lin in group)}: calibration output error "
-                        f"{loss / max(rtn_loss, 1e-30):.3f} of round-to-nearest's")
-    return s if alpha > 0.0 else None
+                        f"{loss / max(found.rtn_loss, 1e-30):.3f} of round-to-nearest's")
 
 
 def _save(model, path: Path, model_section: dict) -> int:
@@ -257,7 +362,7 @@ def _save(model, path: Path, model_section: dict) -> int:
     onnx.checker.check_model(str(path), full_check=True)
     proto = onnx.load(str(path), load_external_data=False)
     check_step_graph(proto, model_section["num_layers"])
-    problems = qdq_violations(proto)
+    problems = qdq_violations(proto, path.parent)
     assert not problems, "quantization produced a graph TensorRT would refuse:\n" + "\n".join(problems)
     total = 0
     for init in proto.graph.initializer:

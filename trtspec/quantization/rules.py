@@ -11,7 +11,7 @@ kernels by those pairs. `trtspec check` runs the same rules.
 from __future__ import annotations
 
 import numpy as np
-from onnx import TensorProto, numpy_helper
+from onnx import TensorProto
 
 from ..onnx_graph import GraphIndex, attr
 
@@ -20,9 +20,11 @@ INT8_FP8_TYPES = {TensorProto.INT8, TensorProto.FLOAT8E4M3FN}
 ACCEPTED_TYPES = INT4_TYPES | INT8_FP8_TYPES
 
 
-def qdq_violations(model_proto) -> list[str]:
-    """Every Q/DQ rule of TensorRT 11's explicit quantization that ``model_proto`` breaks, one line each."""
-    g = GraphIndex(model_proto)
+def qdq_violations(model_proto, base_dir=None) -> list[str]:
+    """Every Q/DQ rule of TensorRT 11's explicit quantization that ``model_proto`` breaks, one line each.
+
+    ``base_dir``: where the model's external data lies, for a model loaded without it."""
+    g = GraphIndex(model_proto, base_dir)
     problems = []
     for node in model_proto.graph.node:
         problems += qdq_node_violations(node, g)
@@ -38,7 +40,7 @@ def qdq_node_violations(node, g: GraphIndex):
         yield (f"{node.name}: {node.op_type} scale {node.input[1]!r} comes from {g.describe(node.input[1])}; "
                "TensorRT needs constant scales (an initializer)")
     else:
-        values = numpy_helper.to_array(scale).astype(np.float64)
+        values = g.array(scale).astype(np.float64)
         if not np.all(np.isfinite(values)) or np.any(values <= 0):
             yield f"{node.name}: {node.op_type} scale {node.input[1]!r} has zero, negative or non-finite values"
     if len(node.input) > 2 and node.input[2]:
@@ -65,7 +67,7 @@ def _check_zero_point(node, g):
     zp = g.constant(node.input[2])
     if zp is None:
         yield f"{node.name}: {node.op_type} zero point {node.input[2]!r} is computed at run time; TensorRT needs none or a constant 0"
-    elif numpy_helper.to_array(zp).astype("float64").any():
+    elif g.array(zp).astype("float64").any():
         yield f"{node.name}: {node.op_type} has a nonzero zero point (asymmetric quantization); TensorRT supports only symmetric Q/DQ (zero point 0)"
 
 
