@@ -59,11 +59,12 @@ def test_ragged_batch_with_rollback_logits_match_hf(arch, form, step_engine, mod
 
 
 @pytest.mark.parametrize("form", FORMS)
-def test_sliding_window_beyond_the_window_matches_hf(form, step_engine, model_dir, hf_model):
-    # the tiny Mistral has a 16-token window; 40 positions exercise it
-    engine = step_engine("mistral", form)
+@pytest.mark.parametrize("arch", ["mistral", "phi3", "gemma2", "gemma3"])  # every layer windowed; Gemma local/global
+def test_sliding_window_beyond_the_window_matches_hf(arch, form, step_engine, model_dir, hf_model):
+    # the tiny models have a 16-token window; 40 positions exercise it
+    engine = step_engine(arch, form)
     ids = random_ids(40, seed=4)
-    ref = hf_logits(hf_model(model_dir("mistral")), ids)
+    ref = hf_logits(hf_model(model_dir(arch)), ids)
     out = np.concatenate([engine.forward(ids[None, :30], np.arange(30)[None])[0].copy(),
                           engine.forward(ids[None, 30:], np.arange(30, 40)[None])[0].copy()])
     np.testing.assert_allclose(out, ref, atol=TOL, rtol=0)
@@ -112,6 +113,32 @@ def test_external_data_for_large_models(monkeypatch, model_dir, tmp_path, hf_mod
     np.testing.assert_allclose(out[0], hf_logits(hf_model(model_dir("qwen2")), ids), atol=TOL, rtol=0)
 
 
+def test_published_checkpoint_bf16_sharded_with_an_eos_list_and_a_chat_template(model_dir, tmp_path):
+    """Issue 30: checkpoints as published: bfloat16 safetensors in shards with an index file, several EOS ids in
+    generation_config.json, a chat template. Exported in float32 it computes what HF computes in float32."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    src, published = model_dir("qwen2"), tmp_path / "published"
+    AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).save_pretrained(published, max_shard_size="60KB")
+    tokenizer = AutoTokenizer.from_pretrained(src)
+    tokenizer.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                               "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    tokenizer.save_pretrained(published)
+    GenerationConfig(bos_token_id=1, eos_token_id=[2, 5], pad_token_id=0).save_pretrained(published)
+    assert (published / "model.safetensors.index.json").is_file() and len(list(published.glob("*.safetensors"))) > 2
+    path = export(published, tmp_path / "out", max_seq_len=32, max_batch=2)
+    assert json.loads((path / "manifest.json").read_text())["model"]["special_tokens"]["eos_token_ids"] == [2, 5]
+    ids = random_ids(9, seed=6)
+    reference = AutoModelForCausalLM.from_pretrained(published, dtype=torch.float32).eval()
+    out = load_engine(path).forward(ids[None], np.arange(9)[None])
+    np.testing.assert_allclose(out[0], hf_logits(reference, ids), atol=TOL, rtol=0)
+    messages = [{"role": "user", "content": "def add(a, b):"}]
+    exported_tokenizer = AutoTokenizer.from_pretrained(path / "tokenizer")
+    assert (exported_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            == tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+
+
 def test_float16_export_is_checked_and_typed(model_dir, tmp_path):
     path = export(model_dir("llama"), tmp_path / "fp16", max_seq_len=32, max_batch=2, dtype="float16")
     model = onnx.load(str(path / "model.onnx"))
@@ -120,11 +147,19 @@ def test_float16_export_is_checked_and_typed(model_dir, tmp_path):
     assert contract_violations(model, 2) == []
 
 
+def test_longrope_past_its_original_length_is_refused(model_dir, tmp_path):
+    # the tiny Phi-3's LongRoPE holds its short factors to 64 tokens; past that HF rescales by sequence length
+    with pytest.raises(UnsupportedModelError, match="LongRoPE switches to its long factors for sequences over 64 "
+                                                    "tokens.*use --max-seq-len 64 or less"):
+        export(model_dir("phi3"), tmp_path / "out", max_seq_len=128)
+    assert not (tmp_path / "out").exists()
+
+
 def test_unsupported_architecture_is_refused_naming_the_supported_ones(tmp_path):
     from transformers import PhiConfig
 
     PhiConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2).save_pretrained(tmp_path)
-    with pytest.raises(UnsupportedModelError, match="unsupported architecture 'phi'.*gpt2, llama, mistral, qwen2, qwen3"):
+    with pytest.raises(UnsupportedModelError, match="unsupported architecture 'phi'.*gemma2, gemma3_text, gpt2, llama, mistral, phi3, qwen2, qwen3"):
         export(tmp_path, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 

@@ -239,7 +239,7 @@ def test_quantized_weights_in_the_graph_equal_the_reference_quantization(exporte
             np.testing.assert_allclose(after[name], reference(w), rtol=1e-6, atol=1e-7, err_msg=name)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "phi3", "gemma2", "gemma3"])
 def test_input_scaling_pass_leaves_the_function_unchanged(exported, tmp_path, arch):
     import onnx_ir as ir
 
@@ -265,8 +265,10 @@ def test_input_scaling_pass_leaves_the_function_unchanged(exported, tmp_path, ar
         assert "q_proj, layers.0.self_attn.k_proj, layers.0.self_attn.v_proj: folded into" in notes  # the norm
         assert "layers.0.mlp.down_proj: folded into the output columns of layers.0.mlp.up_proj" in notes
         assert "layers.0.self_attn.o_proj: Mul by 1/s inserted" in notes
-    else:
+    elif arch == "gpt2":
         assert "layers.0.attn.c_attn: folded into" in notes and "(LayerNormalization scale and bias)" in notes
+    else:  # Phi-3's fused qkv_proj; Gemma's (1 + w) norms fold too
+        assert "layers.0.self_attn.q" in notes and "folded into" in notes
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -397,6 +399,25 @@ def test_quantized_logits_are_close_to_float32(quantized, exported, mode):
     for fuse in (False, True):  # the Q/DQ graph as written, and the engine with onnxruntime's kernels
         got = step_logits(quantized("llama", mode), ids, fuse_qdq=fuse)
         assert np.abs(got - reference).max() / np.abs(reference).max() < BOUNDS[mode]
+        assert (got.argmax(-1) == reference.argmax(-1)).mean() >= 0.5
+
+
+@pytest.mark.parametrize("arch", ["phi3", "gemma2", "gemma3"])
+@pytest.mark.parametrize("mode", ["int8-sq", "int4-awq", "int4-gptq"])
+def test_new_families_quantize_within_the_same_bounds(quantized, exported, arch, mode):
+    """Issue 30: Phi-3 (fused qkv/gate_up), Gemma 2 and 3 (four norms a layer, (1 + w) RMSNorm, soft-capping)
+    quantize under TensorRT's rules and stay as close to float32 as the Llama family does."""
+    out = quantized(arch, mode)
+    assert check_export(out) == [] or arch == "gemma2"  # (Gemma 2's soft-capped Attention: test_tensorrt.py)
+    assert qdq_violations(onnx.load(str(out / "model.onnx"))) == []
+    ids = random_ids(20, seed=6)
+    reference = step_logits(exported(arch), ids)
+    # W8A8 on the tiny Gemma 2: its soft-capped logits are small (|logit| <= 2.5 here, 4x less than Llama's), so
+    # the per-tensor INT8 activations' error is a larger fraction of them (measured 0.107)
+    bound = 0.15 if (arch, mode) == ("gemma2", "int8-sq") else BOUNDS[mode]
+    for fuse in (False, True):
+        got = step_logits(out, ids, fuse_qdq=fuse)
+        assert np.abs(got - reference).max() / np.abs(reference).max() < bound
         assert (got.argmax(-1) == reference.argmax(-1)).mean() >= 0.5
 
 
@@ -735,6 +756,15 @@ def test_gptq_reconstruction_error_is_below_round_to_nearest(exported):
         for act_order in (False, True):
             gptq = error(numerics.dequantize(*numerics.gptq(w, xtx, 32, act_order=act_order), 32))
             assert gptq < rtn, (lin.name, act_order, gptq, rtn)
+
+
+@pytest.mark.parametrize("arch", ["phi3", "gemma2", "gemma3"])
+def test_new_families_speculate_losslessly_with_their_int4_self_draft(exported, tmp_path, arch):
+    target = build(exported(arch), tmp_path / "target")
+    prompts = ["def add(a, b):", "The quick brown fox"]
+    expected = [r.token_ids for r in Generator(target).generate(prompts, max_new_tokens=24)]
+    out = Generator(target, draft="self", num_draft_tokens=3, k_policy="fixed").generate(prompts, max_new_tokens=24)
+    assert [r.token_ids for r in out] == expected and out.stats.accepted > 0
 
 
 def test_self_draft_is_built_once_and_greedy_equals_the_target(exported, tmp_path):

@@ -15,7 +15,8 @@ _CORPUS = [
     "Speculative decoding drafts tokens with a small model and verifies them with a large one.",
 ]
 
-ARCHITECTURES = ("llama", "llama-gqa-rope3", "mistral", "qwen2", "qwen3", "gpt2", "gpt2-untied")
+ARCHITECTURES = ("llama", "llama-gqa-rope3", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "gpt2",
+                 "gpt2-untied")
 
 
 def make_tokenizer(vocab_size: int = 320, corpus: list[str] | None = None):
@@ -68,6 +69,20 @@ def tiny_config(arch: str, vocab_size: int = 336, **overrides):
         cfg = tf.Qwen2Config(**llama_like, tie_word_embeddings=True)
     elif arch == "qwen3":
         cfg = tf.Qwen3Config(**llama_like, head_dim=32, tie_word_embeddings=False)
+    elif arch == "phi3":  # Phi-4-mini's kind: LongRoPE, a partial rotary factor, fused qkv/gate_up, a window
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                "short_factor": [1.0 + 0.1 * i for i in range(4)], "long_factor": [2.0 + 0.5 * i for i in range(4)]}
+        cfg = tf.Phi3Config(**llama_like, rope_parameters=rope, original_max_position_embeddings=64,
+                            sliding_window=16, tie_word_embeddings=False)
+    elif arch == "gemma2":  # soft-capped attention scores and logits, alternating windowed/global layers
+        cfg = tf.Gemma2Config(**llama_like, head_dim=32, query_pre_attn_scalar=24, sliding_window=16,
+                              attn_logit_softcapping=5.0, final_logit_softcapping=30.0, tie_word_embeddings=True)
+    elif arch == "gemma3":  # text: local/global layers with their own RoPE bases, four norms a layer, q/k norms
+        cfg = tf.Gemma3TextConfig(
+            **llama_like, head_dim=32, query_pre_attn_scalar=24, sliding_window=16, final_logit_softcapping=30.0,
+            layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=True,
+            rope_parameters={"full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
     elif arch in ("gpt2", "gpt2-untied"):
         cfg = tf.GPT2Config(
             n_embd=64, n_layer=2, n_head=4, n_positions=256, tie_word_embeddings=arch == "gpt2", **common

@@ -54,7 +54,7 @@ def load_for_step(model_dir: Path, max_seq_len: int, max_batch: int, dtype: str)
         raise ValueError(f"max_seq_len must be at least 2 (got {max_seq_len})")
     if max_batch < 1:
         raise ValueError(f"max_batch must be at least 1 (got {max_batch})")
-    config, spec, tokenizer, generation_config, hf = _load_hf(model_dir, dtype)
+    config, spec, tokenizer, generation_config, hf = _load_hf(model_dir, dtype, max_seq_len)
     if spec.family == "gpt2" and max_seq_len > config.n_positions:
         raise UnsupportedModelError(
             f"max_seq_len {max_seq_len} exceeds the model's {config.n_positions} learned positions; "
@@ -89,7 +89,7 @@ def model_description(spec, config, generation_config, tokenizer, hf, max_seq_le
     }
 
 
-def _load_hf(model_dir: Path, dtype: str):
+def _load_hf(model_dir: Path, dtype: str, max_seq_len: int):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -97,6 +97,11 @@ def _load_hf(model_dir: Path, dtype: str):
         raise UnsupportedModelError(f"{model_dir} has no config.json; pass a Hugging Face model directory")
     config = AutoConfig.from_pretrained(model_dir)
     spec = arch_spec(config)  # refuse unsupported models before loading any weights
+    if spec.longrope_max_len is not None and max_seq_len > spec.longrope_max_len:
+        raise UnsupportedModelError(
+            f"LongRoPE switches to its long factors for sequences over {spec.longrope_max_len} tokens (the model's "
+            f"original length), which a fixed cache cannot tabulate; use --max-seq-len {spec.longrope_max_len} or less"
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     except (OSError, ValueError, TypeError) as e:
@@ -169,6 +174,7 @@ def export(
         # installed") only with -v
         logging.getLogger("torch.onnx").setLevel(logging.ERROR)
 
+    from .attention_op import TRANSLATION_TABLE as ATTENTION_TABLE
     from .kv_cache_op import TRANSLATION_TABLE
     from .step_model import StepModel
 
@@ -207,7 +213,7 @@ def export(
             input_names=names.inputs,
             output_names=names.outputs,
             dynamic_shapes=dynamic_shapes,
-            custom_translation_table=TRANSLATION_TABLE,
+            custom_translation_table={**TRANSLATION_TABLE, **ATTENTION_TABLE},
             verbose=False,
         )
     _batch_size_from_input_ids(program.model)

@@ -10,11 +10,14 @@ hidden by the mask and overwritten by the next write; no copies).
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .architectures import ArchSpec
+from .attention_op import softcapped_attention
 from .kv_cache_inplace import kv_cache_write_
 from .kv_cache_op import kv_cache_write
 
@@ -22,6 +25,15 @@ from .kv_cache_op import kv_cache_write
 def _rotate_half(x):
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rope(x, cos, sin):
+    """RoPE on the first cos.shape[-1] dims of x's head dim (all of them unless the rotary factor is partial)."""
+    d = cos.shape[-1]
+    if d == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    rot, rest = x[..., :d], x[..., d:]
+    return torch.cat((rot * cos + _rotate_half(rot) * sin, rest), dim=-1)
 
 
 class StepModel(nn.Module):
@@ -53,11 +65,25 @@ class StepModel(nn.Module):
             self.embed, self.pos_embed, self.final_norm = base.embed_tokens, None, base.norm
             self.layers = base.layers
             self.scalings = [layer.self_attn.scaling for layer in self.layers]
-            # cos/sin for every slot, computed by the model's own rotary module (all static RoPE types).
+            # cos/sin for every slot, computed by the model's own rotary module (all static RoPE types); one
+            # table per layer type where the layer types rotate differently (Gemma 3's local and global layers).
             positions = torch.arange(max_seq_len).unsqueeze(0)
-            cos, sin = base.rotary_emb(torch.zeros((), dtype=torch.float32), positions)
-            self.register_buffer("rope_cos", cos[0].to(dtype), persistent=False)  # [S_max, D]
-            self.register_buffer("rope_sin", sin[0].to(dtype), persistent=False)
+            zero = torch.zeros((), dtype=torch.float32)
+            layer_types = getattr(base.config, "layer_types", None)
+            if layer_types and "layer_type" in inspect.signature(base.rotary_emb.forward).parameters:
+                kinds = sorted(set(layer_types))
+                tables = [base.rotary_emb(zero, positions, kind) for kind in kinds]
+                self.rope_table = [kinds.index(kind) for kind in layer_types]
+            else:
+                tables = [base.rotary_emb(zero, positions)]
+                self.rope_table = [0] * spec.num_layers
+            # [S_max, rotary dim] each (below head_dim with a partial rotary factor: Phi-4-mini); rope_cos/rope_sin,
+            # then rope_cos_1, ...: each a constant table of its own, which the fused build turns into RoPE caches
+            self.rope_names = [("rope_cos", "rope_sin") if j == 0 else (f"rope_cos_{j}", f"rope_sin_{j}")
+                               for j in range(len(tables))]
+            for (cos_name, sin_name), (cos, sin) in zip(self.rope_names, tables):
+                self.register_buffer(cos_name, cos[0].to(dtype), persistent=False)
+                self.register_buffer(sin_name, sin[0].to(dtype), persistent=False)
         self.register_buffer("slots", torch.arange(max_seq_len), persistent=False)
 
     def masks(self, position_ids):
@@ -83,15 +109,18 @@ class StepModel(nn.Module):
             out_proj = attn.c_proj
         else:
             attn = layer.self_attn
-            q = attn.q_proj(x).unflatten(-1, (spec.num_heads, spec.head_dim))
-            k = attn.k_proj(x).unflatten(-1, (spec.num_kv_heads, spec.head_dim))
-            if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over the head dim, before RoPE
+            if hasattr(attn, "qkv_proj"):  # Phi-3: one fused projection, split in q, k, v order
+                nq, nkv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+                q, k, v = attn.qkv_proj(x).split([nq, nkv, nkv], dim=-1)
+            else:
+                q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+            q = q.unflatten(-1, (spec.num_heads, spec.head_dim))
+            k = k.unflatten(-1, (spec.num_kv_heads, spec.head_dim))
+            if hasattr(attn, "q_norm"):  # Qwen3, Gemma 3: RMSNorm over the head dim, before RoPE
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q, k = q.transpose(1, 2), k.transpose(1, 2)
-            v = attn.v_proj(x).unflatten(-1, (spec.num_kv_heads, spec.head_dim)).transpose(1, 2)
-            cos, sin = rope
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            v = v.unflatten(-1, (spec.num_kv_heads, spec.head_dim)).transpose(1, 2)
+            q, k = _rope(q, *rope), _rope(k, *rope)
             out_proj = attn.o_proj
         if self.in_place_cache:
             kv_cache_write_(past_key, k, write_indices)
@@ -100,14 +129,17 @@ class StepModel(nn.Module):
         else:
             present_key = kv_cache_write(past_key, k, write_indices)
             present_value = kv_cache_write(past_value, v, write_indices)
-        y = F.scaled_dot_product_attention(
-            q,
-            present_key,
-            present_value,
-            attn_mask=mask,
-            scale=self.scalings[i],
-            enable_gqa=spec.num_heads != spec.num_kv_heads,
-        )
+        if spec.attn_softcap:  # Gemma 2: SDPA has no soft-capping; one op exported as Attention(softcap=...)
+            y = softcapped_attention(q, present_key, present_value, mask, self.scalings[i], spec.attn_softcap)
+        else:
+            y = F.scaled_dot_product_attention(
+                q,
+                present_key,
+                present_value,
+                attn_mask=mask,
+                scale=self.scalings[i],
+                enable_gqa=spec.num_heads != spec.num_kv_heads,
+            )
         y = y.transpose(1, 2).flatten(2)
         return out_proj(y), present_key, present_value
 
@@ -120,8 +152,9 @@ class StepModel(nn.Module):
         rope = None
         if self.pos_embed is not None:
             h = h + self.pos_embed(position_ids)
-        else:
-            rope = (F.embedding(position_ids, self.rope_cos)[:, None], F.embedding(position_ids, self.rope_sin)[:, None])  # [B, 1, T, D]
+        else:  # [B, 1, T, D] per table
+            ropes = [(F.embedding(position_ids, getattr(self, cos))[:, None],
+                      F.embedding(position_ids, getattr(self, sin))[:, None]) for cos, sin in self.rope_names]
         present = []
         for i, layer in enumerate(self.layers):
             window = self.spec.sliding_windows[i]
@@ -129,11 +162,18 @@ class StepModel(nn.Module):
                 norm1, norm2 = layer.ln_1, layer.ln_2
             else:
                 norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
+                rope = ropes[self.rope_table[i]]
             a, key, value = self.attention(
                 i, layer, norm1(h), rope, masks[window], past[2 * i], past[2 * i + 1], write_indices
             )
-            h = h + a
-            h = h + layer.mlp(norm2(h))
+            if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma: a norm after attention and after the MLP too
+                h = h + norm2(a)
+                h = h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
+            else:
+                h = h + a
+                h = h + layer.mlp(norm2(h))
             present += [key, value]
         logits = self.lm_head(self.final_norm(h))
+        if self.spec.final_softcap:
+            logits = torch.tanh(logits / self.spec.final_softcap) * self.spec.final_softcap
         return (logits, *present)
