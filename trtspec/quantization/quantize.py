@@ -174,6 +174,9 @@ def quantize(
         "lm_head": quantize_lm_head,
         "tied_lm_head": is_tied,
         "calibration": calibration,
+        # AWQ's search: what decides its scales besides the text (bfloat16 products only where the CPU is fast)
+        "search": ({"matmul_dtype": str(numerics.search_dtype()).removeprefix("torch."), "rows": AWQ_ROWS,
+                    "grid": AWQ_GRID} if scaling == "awq" else None),
         "report": REPORT_FILE,
         "summary": report.summary(),
         "source": export_source(export_dir),
