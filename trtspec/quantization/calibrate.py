@@ -125,7 +125,9 @@ class Calibration:
     def stats_bytes(self, k: int, *, rows: int = 0, block_size: int = 0, hessian: bool = False,
                     rows_dtype=None) -> int:
         """Memory the statistics of one value [.., K] take: what ``collect`` keeps until its pass ends."""
-        kp = -(-k // block_size) * block_size if block_size else 0
+        from .numerics import padded_k
+
+        kp = padded_k(k, block_size) if block_size else 0
         row_bytes = rows_dtype.itemsize if rows_dtype is not None else 4
         return (row_bytes * min(rows, self.tokens) * k + 4 * (kp * block_size + (k * k if hessian else 0))
                 + 16 * k)
