@@ -167,7 +167,7 @@ def test_attention_with_past_key_input_or_softcap_is_reported(exported):
 
 def test_attention_mask_must_cover_every_cache_slot(exported):
     _, manifest, model = _graph(exported)
-    problems = tensorrt_violations(model, {**manifest["model"], "max_seq_len": 128})
+    problems = tensorrt_violations(model, {**manifest["model"], "max_seq_len": 128, "cache_slots": [128, 128]})
     attention = [n.name for n in model.graph.node if n.op_type == "Attention"]
     assert len(problems) == 2
     for name, problem in zip(attention, problems):

@@ -22,11 +22,18 @@ def _add_export(sub):
     p.add_argument("--max-seq-len", type=_positive_int, default=512, help="KV cache capacity S_max (default 512)")
     p.add_argument("--max-batch", type=_positive_int, default=4, help="largest batch the engine serves (default 4)")
     p.add_argument("--dtype", choices=["float32", "float16"], default="float32")
+    p.add_argument("--max-call-tokens", type=_positive_int, default=None,
+                   help="tokens one call may carry where sliding-window layers keep a ring buffer of window + N - 1 "
+                        "slots (default 128; prompts are read in chunks of at most N)")
+    p.add_argument("--no-ring-cache", dest="ring_cache", action="store_false",
+                   help="full-size caches for sliding-window layers too (TensorRT: its KV cache update has no "
+                        "circular mode)")
 
     def run(args):
         from .exporter import export
 
-        out = export(args.model_dir, args.output, max_seq_len=args.max_seq_len, max_batch=args.max_batch, dtype=args.dtype)
+        out = export(args.model_dir, args.output, max_seq_len=args.max_seq_len, max_batch=args.max_batch, dtype=args.dtype,
+                     max_call_tokens=args.max_call_tokens, ring_cache=args.ring_cache)
         print(out)
 
     p.set_defaults(run=run)

@@ -72,7 +72,8 @@ def _check_tensor_scatter(node, g, model):
     mode = attr(node, "mode", b"linear")
     mode = mode.decode() if isinstance(mode, bytes) else mode
     if mode != "linear":
-        yield f"{node.name}: TensorScatter mode {mode!r}; TensorRT's KV cache update supports only 'linear'"
+        yield (f"{node.name}: TensorScatter mode {mode!r}; TensorRT's KV cache update supports only 'linear' (a "
+               "sliding-window layer's ring buffer: re-export with --no-ring-cache for TensorRT)")
 
 
 def _check_attention(node, g, model):
@@ -90,10 +91,11 @@ def _check_attention(node, g, model):
     if mask_type is not None and mask_type.elem_type != TensorProto.BOOL:
         yield f"{node.name}: Attention mask {mask!r} is not bool; the step graph's mask is a bool [B, 1, T, S_max] tensor"
     shape = dims(mask_type)
-    if shape is None or len(shape) != 4 or shape[1] != 1 or shape[3] != model["max_seq_len"]:
+    slots = sorted(set(model.get("cache_slots") or [model["max_seq_len"]]))  # S_max, or a sliding-window ring
+    if shape is None or len(shape) != 4 or shape[1] != 1 or shape[3] not in slots:
         yield (
-            f"{node.name}: Attention mask {mask!r} has shape {shape}; expected [B, 1, T, {model['max_seq_len']}] "
-            "(4-D, one head, all cache slots)"
+            f"{node.name}: Attention mask {mask!r} has shape {shape}; expected [B, 1, T, "
+            f"{' or '.join(map(str, slots))}] (4-D, one head, all cache slots)"
         )
 
 

@@ -63,6 +63,12 @@ def profile_plan(model: dict, *, max_prefill: int | None = None, verify_tokens=D
     saying what to change when an option cannot be served.
     """
     s_max, export_batch = model["max_seq_len"], model["max_batch"]
+    if min(model.get("cache_slots") or [s_max]) < s_max:
+        raise ValueError(
+            "the export keeps ring-buffer caches for its sliding-window layers (TensorScatter mode='circular'), and "
+            "TensorRT's KV cache update (IKVCacheUpdateLayer) has only the linear mode; re-export with "
+            "--no-ring-cache for TensorRT"
+        )
     max_batch = export_batch if max_batch is None else _check_int(
         "max_batch", max_batch, 1, export_batch, f"the export holds {export_batch} rows; re-export with --max-batch {max_batch}"
     )

@@ -44,19 +44,70 @@ class Engine(Protocol):
 
 
 class SavedPrefix:
-    """Cache slots copied out of one row: host arrays (onnxruntime) or device tensors (GPU backends)."""
+    """Cache slots copied out of one row: host arrays (onnxruntime) or device tensors (GPU backends).
 
-    def __init__(self, parts):
+    A part holds the first ``tokens`` slots of a full cache, or a whole ring where a sliding-window layer's ring
+    has wrapped (fewer slots than tokens). A ring forgets, so a head shorter than ``min_head`` is not exact.
+    """
+
+    def __init__(self, parts, tokens: int | None = None, *, min_head: int = 0, written_end: int = -1):
         self.parts = parts  # one [Hkv, n, D] block per cache buffer
         self.nbytes = sum(int(p.nbytes) for p in parts)
-
-    @property
-    def tokens(self) -> int:
-        return int(self.parts[0].shape[1])
+        self.tokens = int(parts[0].shape[1]) if tokens is None else tokens
+        self.min_head = min_head
+        self.written_end = written_end  # the last position the source row's rings were written at (RingRows)
 
     def head(self, n: int) -> SavedPrefix:
-        """The first n slots (views, no copy)."""
-        return SavedPrefix([p[:, :n] for p in self.parts])
+        """The first n slots (views, no copy); a wrapped ring stays whole."""
+        assert self.min_head <= n <= self.tokens, (n, self.min_head, self.tokens)
+        return SavedPrefix([p if p.shape[1] < self.tokens else p[:, :n] for p in self.parts], n,
+                           min_head=n, written_end=self.written_end)
+
+
+class RingRows:
+    """Per cache row, the last position a sliding-window layer's ring was written at (engines with rings only).
+
+    A ring of n slots keeps position p until p + n is written, so after writes up to E the positions above
+    E - n are intact. A head m of the row is exact when its next query's window, [m - window + 1, m), lies
+    there: m >= E - max_call_tokens + 1 (n = window + max_call_tokens - 1, exporter/contract.py).
+    """
+
+    def __init__(self, max_batch: int, max_call_tokens: int):
+        self.end = np.full(max_batch, -1, np.int64)
+        self.max_call_tokens = max_call_tokens
+
+    def wrote(self, first_row: int, position_ids) -> None:
+        # position_ids [B, T]: rows [first_row, first_row + B) wrote up to their last position
+        rows = self.end[first_row : first_row + position_ids.shape[0]]
+        np.maximum(rows, position_ids[:, -1], out=rows)
+
+    def saved(self, parts, row: int, n: int) -> SavedPrefix:
+        end = int(self.end[row])
+        return SavedPrefix(parts, n, min_head=min(n, max(0, end - self.max_call_tokens + 1)), written_end=end)
+
+    def loaded(self, saved: SavedPrefix, row: int) -> None:
+        self.end[row] = max(saved.written_end, saved.tokens - 1)
+
+    def moved(self, src: int, dst: int) -> None:
+        self.end[dst] = self.end[src]
+
+    def reset(self) -> None:
+        self.end.fill(-1)
+
+
+def cache_slots(model: dict) -> dict[str, int]:
+    """past_* input -> the slots of its cache: S_max, or a sliding-window layer's ring (older manifests: S_max)."""
+    slots = model.get("cache_slots") or [model["max_seq_len"]] * model["num_layers"]
+    return {past: slots[int(past.rsplit("_", 1)[1])] for past in model["kv_aliases"].values()}
+
+
+def max_call_tokens(model: dict) -> int:
+    """The most tokens one call may carry: S_max, or less where sliding-window layers keep rings."""
+    return model.get("max_call_tokens") or model["max_seq_len"]
+
+
+def ring_rows(model: dict, max_batch: int) -> RingRows | None:
+    return RingRows(max_batch, max_call_tokens(model)) if min(cache_slots(model).values()) < model["max_seq_len"] else None
 
 
 class CallGuard:
@@ -88,7 +139,7 @@ def lease(engine) -> threading.Lock:
 
 
 def check_step_inputs(input_ids, position_ids, *, max_batch: int, max_seq_len: int, vocab_size: int,
-                      first_row: int = 0):
+                      first_row: int = 0, max_call: int | None = None):
     """Validate one step call before anything touches the cache; returns C-contiguous int64 arrays."""
     # input_ids [B, T] int, position_ids [B, T] int, consecutive per row
     input_ids = np.ascontiguousarray(input_ids, dtype=np.int64)
@@ -99,6 +150,12 @@ def check_step_inputs(input_ids, position_ids, *, max_batch: int, max_seq_len: i
             f"got {input_ids.shape} and {position_ids.shape}"
         )
     b, t = input_ids.shape
+    if max_call is not None and t > max_call:
+        raise CapacityError(
+            f"this call carries {t} tokens per row but the engine takes at most {max_call} (its sliding-window "
+            f"layers keep rings of window + {max_call} - 1 slots); split the call, or re-export with "
+            f"--max-call-tokens {t} (or --no-ring-cache)"
+        )
     if first_row < 0 or first_row + b > max_batch:
         raise CapacityError(
             f"rows {first_row}..{first_row + b - 1} asked for but the engine holds {max_batch}; "

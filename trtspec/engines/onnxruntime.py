@@ -1,7 +1,7 @@
 """The onnxruntime engine: the step graph run with IOBinding, the KV cache updated in place.
 
-Each layer's cache is one numpy buffer [max_batch, Hkv, S_max, D], allocated
-once. Every call binds past_* and present_* to the same address, so
+Each layer's cache is one numpy buffer [max_batch, Hkv, slots, D] (slots: S_max, or a sliding-window
+layer's ring), allocated once. Every call binds past_* and present_* to the same address, so
 onnxruntime's TensorScatter (declared MayInplace) writes the new K/V straight
 into it: no per-call copy and no per-call allocation of the cache. A call
 with B < max_batch rows binds the first B rows, which are contiguous.
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .base import CallGuard, SavedPrefix, check_step_inputs
+from .base import CallGuard, SavedPrefix, cache_slots, check_step_inputs, max_call_tokens, ring_rows
 
 _NP_DTYPES = {"float32": np.float32, "float16": np.float16}
 
@@ -123,9 +123,11 @@ class OnnxRuntimeEngine:
         self._decode = _Graph(self.path / decode, self._options) if decode else None
         self._full = None if self._decode else _Graph(self.path / manifest["graph"], self._options)
         self._logits_dtype = self.dtype
-        cache_shape = (self.max_batch, model["num_kv_heads"], self.max_seq_len, model["head_dim"])
+        self.max_call_tokens = max_call_tokens(model)
+        self._rings = ring_rows(model, self.max_batch)
         self._aliases = list(model["kv_aliases"].items())  # (present, past)
-        self.cache = {past: np.zeros(cache_shape, dtype=self.dtype) for _, past in self._aliases}
+        self.cache = {past: np.zeros((self.max_batch, model["num_kv_heads"], slots, model["head_dim"]), dtype=self.dtype)
+                      for past, slots in cache_slots(model).items()}
         self._logits = np.empty(0, dtype=self._logits_dtype)  # grows to the largest B*T*V seen, then reused
         self._guard = CallGuard(str(self.path))
 
@@ -161,9 +163,9 @@ class OnnxRuntimeEngine:
     def _bind_cache(self, bd: _Binding, rows: tuple[int, int]):
         # Rebinding is needed only when the rows change: rows [first, first + b) are contiguous in each buffer.
         first, b = rows
-        shape = [b, *next(iter(self.cache.values())).shape[1:]]
         for present, past in self._aliases:
             buf = self.cache[past]
+            shape = [b, *buf.shape[1:]]
             ptr = buf.ctypes.data + first * buf.strides[0]
             bd.io.bind_input(past, "cpu", 0, self.dtype, shape, ptr)
             bd.io.bind_output(present, "cpu", 0, self.dtype, shape, ptr)
@@ -174,7 +176,7 @@ class OnnxRuntimeEngine:
         # The returned array is a reused buffer: valid until the next call of the same shape.
         input_ids, position_ids = check_step_inputs(
             input_ids, position_ids, max_batch=self.max_batch, max_seq_len=self.max_seq_len, vocab_size=self.vocab_size,
-            first_row=first_row,
+            first_row=first_row, max_call=self.max_call_tokens,
         )
         b, t = input_ids.shape
         with self._guard:
@@ -185,6 +187,8 @@ class OnnxRuntimeEngine:
             np.copyto(bd.ids, input_ids)
             np.copyto(bd.pos, position_ids)
             g.session.run_with_iobinding(bd.io)
+            if self._rings is not None:
+                self._rings.wrote(first_row, position_ids)
         return bd.logits
 
     def greedy_steps(self, row: int, token: int, position: int, steps: int, on_token) -> tuple[int, float]:
@@ -210,6 +214,8 @@ class OnnxRuntimeEngine:
                 t0 = clock()
                 run(binding)
                 seconds += clock() - t0
+                if self._rings is not None:
+                    self._rings.wrote(row, pos)
                 token = int(logits.argmax())
                 if not on_token(token):
                     return i + 1, seconds
@@ -232,23 +238,31 @@ class OnnxRuntimeEngine:
         bd.io.bind_output("logits", "cpu", 0, self._logits_dtype, [b, t, self.vocab_size], bd.logits.ctypes.data)
         bd.shape = (b, t)
 
+    # A ring's slots [0, n) clip to the ring: a row past its length moves (and saves) whole.
     def move_row(self, src: int, dst: int, n: int | None = None):
         with self._guard:
             for buf in self.cache.values():
                 buf[dst, :, :n] = buf[src, :, :n]
+            if self._rings is not None:
+                self._rings.moved(src, dst)
 
     def save_prefix(self, row: int, n: int):
-        # -> a list of [Hkv, n, D] copies, one per cache buffer
+        # -> [Hkv, n, D] copies (a wrapped ring: [Hkv, slots, D]), one per cache buffer
         with self._guard:
-            return SavedPrefix([buf[row, :, :n].copy() for buf in self.cache.values()])
+            parts = [buf[row, :, :n].copy() for buf in self.cache.values()]
+            return self._rings.saved(parts, row, n) if self._rings is not None else SavedPrefix(parts)
 
     def load_prefix(self, saved, row: int):
         with self._guard:
             for buf, part in zip(self.cache.values(), saved.parts):
                 buf[row, :, : part.shape[1]] = part
+            if self._rings is not None:
+                self._rings.loaded(saved, row)
 
     def reset(self):
         with self._guard:
             for buf in self.cache.values():
                 buf.fill(0)
+            if self._rings is not None:
+                self._rings.reset()
 

@@ -13,6 +13,25 @@ class IONames(NamedTuple):
     aliases: dict[str, str]  # present_* output -> the past_* input it overwrites in place
 
 
+# Tokens one call may carry where a sliding-window layer keeps a ring buffer (its cache then holds
+# window + max_call_tokens - 1 slots); the runtime reads longer prompts in chunks of at most this.
+DEFAULT_MAX_CALL_TOKENS = 128
+
+
+def cache_slots(windows, max_seq_len: int, max_call_tokens: int, *, ring_cache: bool = True) -> list[int]:
+    """Slots of each layer's KV cache: S_max, or for a sliding-window layer a ring of window + max_call_tokens - 1
+    slots where that is smaller (position p lives in slot p mod slots).
+
+    A call writes T <= max_call_tokens consecutive positions ending at e; its first query, at e - T + 1, still
+    needs the window before it, so the ring must hold positions [e - T + 1 - window + 1, e]: window + T - 1 slots.
+    The same bound keeps rollback exact: rejected positions overwrite only slots older than any later window.
+    """
+    if not 1 <= max_call_tokens <= max_seq_len:
+        raise ValueError(f"max_call_tokens must lie in [1, max_seq_len={max_seq_len}], got {max_call_tokens}")
+    ring = [w + max_call_tokens - 1 if ring_cache and w is not None else max_seq_len for w in windows]
+    return [min(s, max_seq_len) for s in ring]
+
+
 def io_names(num_layers: int) -> IONames:
     past = [f"past_{kv}_{i}" for i in range(num_layers) for kv in ("key", "value")]
     present = [name.replace("past_", "present_", 1) for name in past]

@@ -17,9 +17,10 @@ import torch
 @torch.library.custom_op("trtspec::kv_cache_write_", mutates_args=("cache",))
 def kv_cache_write_(cache: torch.Tensor, update: torch.Tensor, write_indices: torch.Tensor) -> None:
     # cache [B, Hkv, S_max, D] written in place, update [B, Hkv, T, D], write_indices [B] int64
-    # cache[b, :, start_b : start_b + T] = update[b]; one scatter, no host sync (CUDA-graph safe).
+    # cache[b, :, start_b : start_b + T] = update[b] (slots mod the cache length: a sliding-window layer's ring;
+    # a full cache never wraps); one scatter, no host sync (CUDA-graph safe).
     b, h, t, d = update.shape
-    slots = write_indices[:, None] + torch.arange(t, device=update.device)  # [B, T]
+    slots = (write_indices[:, None] + torch.arange(t, device=update.device)) % cache.shape[2]  # [B, T]
     cache.scatter_(2, slots[:, None, :, None].expand(b, h, t, d), update)
 
 

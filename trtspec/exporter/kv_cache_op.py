@@ -32,8 +32,28 @@ def _(cache, update, write_indices):
     return torch.empty_like(cache)
 
 
+@torch.library.custom_op("trtspec::kv_cache_write_ring", mutates_args=())
+def kv_cache_write_ring(cache: torch.Tensor, update: torch.Tensor, write_indices: torch.Tensor) -> torch.Tensor:
+    # cache [B, Hkv, n, D] a ring (position p in slot p mod n), update [B, Hkv, T, D] with T <= n, write_indices [B]
+    out = cache.clone()
+    n, t = cache.shape[2], update.shape[2]
+    for b, start in enumerate(write_indices.tolist()):
+        out[b, :, [(start + j) % n for j in range(t)]] = update[b]
+    return out
+
+
+@kv_cache_write_ring.register_fake
+def _(cache, update, write_indices):
+    return torch.empty_like(cache)
+
+
 def _tensor_scatter(cache, update, write_indices):
     return opset24.TensorScatter(cache, update, write_indices, axis=KV_WRITE_AXIS, mode="linear")
 
 
-TRANSLATION_TABLE = {torch.ops.trtspec.kv_cache_write.default: _tensor_scatter}
+def _tensor_scatter_ring(cache, update, write_indices):
+    return opset24.TensorScatter(cache, update, write_indices, axis=KV_WRITE_AXIS, mode="circular")
+
+
+TRANSLATION_TABLE = {torch.ops.trtspec.kv_cache_write.default: _tensor_scatter,
+                     torch.ops.trtspec.kv_cache_write_ring.default: _tensor_scatter_ring}

@@ -13,7 +13,7 @@ from pathlib import Path
 from ..errors import UnsupportedModelError
 from ..manifest import EXPORT_FORMAT, atomic_artifact, sha256_file, versions
 from .architectures import arch_spec
-from .contract import check_step_graph, io_names
+from .contract import DEFAULT_MAX_CALL_TOKENS, cache_slots, check_step_graph, io_names
 
 OPSET = 24
 GRAPH_FILE = "model.onnx"
@@ -68,10 +68,24 @@ def load_for_step(model_dir: Path, max_seq_len: int, max_batch: int, dtype: str)
     return config, spec, tokenizer, generation_config, hf
 
 
-def model_description(spec, config, generation_config, tokenizer, hf, max_seq_len, max_batch, dtype) -> dict:
+def cache_layout(spec, max_seq_len: int, max_call_tokens: int | None, ring_cache: bool) -> tuple[list[int], int]:
+    """(slots per layer, tokens one call may carry): rings for sliding-window layers where they are smaller."""
+    windows = spec.sliding_windows
+    if max_call_tokens is None:
+        max_call_tokens = min(DEFAULT_MAX_CALL_TOKENS, max_seq_len)
+    elif not isinstance(max_call_tokens, int) or not 1 <= max_call_tokens <= max_seq_len:
+        raise ValueError(f"max_call_tokens must be an integer in [1, max_seq_len={max_seq_len}], got {max_call_tokens!r}")
+    slots = cache_slots(windows, max_seq_len, max_call_tokens, ring_cache=ring_cache)
+    # without a ring a call may carry the whole cache
+    return slots, (max_call_tokens if min(slots) < max_seq_len else max_seq_len)
+
+
+def model_description(spec, config, generation_config, tokenizer, hf, max_seq_len, max_batch, dtype, *,
+                      max_call_tokens: int | None = None, ring_cache: bool = True) -> dict:
     """The manifest's "model" section every backend shares: what the runtime needs to know of the step."""
     from .contract import io_names
 
+    slots, call_tokens = cache_layout(spec, max_seq_len, max_call_tokens, ring_cache)
     return {
         "architecture": spec.model_type,
         "vocab_size": spec.vocab_size,
@@ -82,6 +96,9 @@ def model_description(spec, config, generation_config, tokenizer, hf, max_seq_le
         "max_seq_len": max_seq_len,
         "max_batch": max_batch,
         "dtype": dtype,
+        "sliding_windows": list(spec.sliding_windows),
+        "cache_slots": slots,
+        "max_call_tokens": call_tokens,
         "kv_aliases": io_names(spec.num_layers).aliases,
         "special_tokens": _special_tokens(config, generation_config, tokenizer),
         "tokenizer_fingerprint": _tokenizer_fingerprint(tokenizer),
@@ -164,8 +181,14 @@ def export(
     max_seq_len: int = 512,
     max_batch: int = 4,
     dtype: str = "float32",
+    max_call_tokens: int | None = None,
+    ring_cache: bool = True,
 ) -> Path:
-    """Export a Hugging Face causal LM directory to a step graph artifact; returns out_dir."""
+    """Export a Hugging Face causal LM directory to a step graph artifact; returns out_dir.
+
+    Sliding-window layers keep a ring buffer of window + max_call_tokens - 1 slots (default max_call_tokens 128)
+    where that is smaller than max_seq_len; calls then carry at most max_call_tokens tokens. ``ring_cache=False``
+    keeps full-size caches (TensorRT's KV cache update has no circular mode)."""
     import onnx
     import torch
 
@@ -182,25 +205,30 @@ def export(
     t0 = time.perf_counter()
     config, spec, tokenizer, generation_config, hf = load_for_step(model_dir, max_seq_len, max_batch, dtype)
 
-    step = StepModel(hf, spec, max_seq_len).eval()
+    model = model_description(spec, config, generation_config, tokenizer, hf, max_seq_len, max_batch, dtype,
+                              max_call_tokens=max_call_tokens, ring_cache=ring_cache)
+    step = StepModel(hf, spec, max_seq_len, cache_slots=model["cache_slots"]).eval()
     names = io_names(spec.num_layers)
     tdtype = getattr(torch, dtype)
     # Example batch 2 and T 3: with 1 the exporter may specialise the dimension (DESIGN.md §2).
-    b, t = 2, 3
-    cache_shape = (b, spec.num_kv_heads, max_seq_len, spec.head_dim)
+    b, t = 2, min(3, model["max_call_tokens"])
     args = (
         torch.zeros(b, t, dtype=torch.long),
         torch.arange(t).repeat(b, 1),
-        *[torch.zeros(cache_shape, dtype=tdtype) for _ in range(2 * spec.num_layers)],
+        *[torch.zeros((b, spec.num_kv_heads, model["cache_slots"][i // 2], spec.head_dim), dtype=tdtype)
+          for i in range(2 * spec.num_layers)],
     )
     batch = torch.export.Dim("batch", min=1, max=max(max_batch, 2))
-    seq = torch.export.Dim("seq", min=1, max=max_seq_len)
+    seq = torch.export.Dim("seq", min=1, max=model["max_call_tokens"])
     dynamic_shapes = {
         "input_ids": {0: batch, 1: seq},
         "position_ids": {0: batch, 1: seq},
         "past": tuple({0: batch} for _ in range(2 * spec.num_layers)),
     }
-    model = model_description(spec, config, generation_config, tokenizer, hf, max_seq_len, max_batch, dtype)
+    rings = sum(n < max_seq_len for n in model["cache_slots"])
+    if rings:
+        log.info("sliding-window layers keep rings (%d layers, %d slots of %d); calls carry at most %d tokens", rings,
+                 min(model["cache_slots"]), max_seq_len, model["max_call_tokens"])
     log.info("exporting %s (%s, %d layers, %.1f MB of weights)", model_dir, spec.model_type, spec.num_layers,
              model["weight_bytes"] / 1e6)
     with warnings.catch_warnings(), torch.no_grad():

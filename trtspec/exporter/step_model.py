@@ -6,6 +6,10 @@ are written into a fixed-capacity cache at each sequence's position, and
 attention runs over the whole cache with an explicit boolean mask
 ``slot <= position`` (rejected draft tokens beyond a sequence's length are
 hidden by the mask and overwritten by the next write; no copies).
+
+A sliding-window layer may keep a ring buffer instead (``cache_slots`` below S_max): position p lives in
+slot p mod slots, written by a circular TensorScatter, and its mask is computed from the position each slot
+holds after the call's write (contract.cache_slots says why that is exact, rollback included).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from torch import nn
 from .architectures import ArchSpec
 from .attention_op import softcapped_attention
 from .kv_cache_inplace import kv_cache_write_
-from .kv_cache_op import kv_cache_write
+from .kv_cache_op import kv_cache_write, kv_cache_write_ring
 
 
 def _rotate_half(x):
@@ -44,11 +48,16 @@ class StepModel(nn.Module):
     functional write the ONNX export needs.
     """
 
-    def __init__(self, hf_model: nn.Module, spec: ArchSpec, max_seq_len: int, *, in_place_cache: bool = False):
+    def __init__(self, hf_model: nn.Module, spec: ArchSpec, max_seq_len: int, *, in_place_cache: bool = False,
+                 cache_slots: list[int] | None = None):
         super().__init__()
         self.spec = spec
         self.in_place_cache = in_place_cache
         self.max_seq_len = max_seq_len
+        # per layer: S_max, or a sliding-window layer's ring length (contract.cache_slots)
+        self.cache_slots = list(cache_slots) if cache_slots is not None else [max_seq_len] * spec.num_layers
+        self.mask_keys = [("ring", w, n) if n < max_seq_len else w
+                          for w, n in zip(spec.sliding_windows, self.cache_slots)]
         self.lm_head = hf_model.lm_head
         dtype = self.lm_head.weight.dtype
         if spec.family == "gpt2":
@@ -85,14 +94,24 @@ class StepModel(nn.Module):
                 self.register_buffer(cos_name, cos[0].to(dtype), persistent=False)
                 self.register_buffer(sin_name, sin[0].to(dtype), persistent=False)
         self.register_buffer("slots", torch.arange(max_seq_len), persistent=False)
+        for n in set(self.cache_slots) - {max_seq_len}:
+            self.register_buffer(f"ring_slots_{n}", torch.arange(n), persistent=False)
 
     def masks(self, position_ids):
-        # position_ids [B, T] -> {window: bool [B, 1, T, S_max]}; True where the slot may be attended.
+        # position_ids [B, T] -> {mask key: bool [B, 1, T, slots]}; True where the slot may be attended.
         pos = position_ids[:, None, :, None]
         causal = self.slots <= pos
-        out = {None: causal}
-        for window in set(self.spec.sliding_windows) - {None}:
-            out[window] = causal & (self.slots > pos - window)
+        out = {}
+        for key in set(self.mask_keys):
+            if key is None:
+                out[key] = causal
+            elif isinstance(key, int):
+                out[key] = causal & (self.slots > pos - key)
+            else:  # a ring: slot s holds the last position written there, e - ((e - s) mod n), e the call's last
+                _, window, n = key
+                last = position_ids[:, -1:]
+                held = (last - torch.remainder(last - getattr(self, f"ring_slots_{n}"), n))[:, None, None, :]
+                out[key] = (held <= pos) & (held > pos - window) & (held >= 0)
         return out
 
     def attention(self, i, layer, x, rope, mask, past_key, past_value, write_indices):
@@ -122,10 +141,13 @@ class StepModel(nn.Module):
             v = v.unflatten(-1, (spec.num_kv_heads, spec.head_dim)).transpose(1, 2)
             q, k = _rope(q, *rope), _rope(k, *rope)
             out_proj = attn.o_proj
-        if self.in_place_cache:
+        if self.in_place_cache:  # (a ring's positions wrap inside the op)
             kv_cache_write_(past_key, k, write_indices)
             kv_cache_write_(past_value, v, write_indices)
             present_key, present_value = past_key, past_value
+        elif self.cache_slots[i] < self.max_seq_len:
+            present_key = kv_cache_write_ring(past_key, k, write_indices)
+            present_value = kv_cache_write_ring(past_value, v, write_indices)
         else:
             present_key = kv_cache_write(past_key, k, write_indices)
             present_value = kv_cache_write(past_value, v, write_indices)
@@ -144,8 +166,8 @@ class StepModel(nn.Module):
         return out_proj(y), present_key, present_value
 
     def forward(self, input_ids, position_ids, *past):
-        # input_ids [B, T] int64, position_ids [B, T] int64, past 2L x [B, Hkv, S_max, D]
-        # -> logits [B, T, V], present 2L x [B, Hkv, S_max, D]
+        # input_ids [B, T] int64, position_ids [B, T] int64, past 2L x [B, Hkv, slots_i, D] (slots_i: S_max or a ring)
+        # -> logits [B, T, V], present 2L x [B, Hkv, slots_i, D]
         write_indices = position_ids[:, 0]
         masks = self.masks(position_ids)
         h = self.embed(input_ids)
@@ -157,14 +179,13 @@ class StepModel(nn.Module):
                       F.embedding(position_ids, getattr(self, sin))[:, None]) for cos, sin in self.rope_names]
         present = []
         for i, layer in enumerate(self.layers):
-            window = self.spec.sliding_windows[i]
             if self.spec.family == "gpt2":
                 norm1, norm2 = layer.ln_1, layer.ln_2
             else:
                 norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
                 rope = ropes[self.rope_table[i]]
             a, key, value = self.attention(
-                i, layer, norm1(h), rope, masks[window], past[2 * i], past[2 * i + 1], write_indices
+                i, layer, norm1(h), rope, masks[self.mask_keys[i]], past[2 * i], past[2 * i + 1], write_indices
             )
             if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma: a norm after attention and after the MLP too
                 h = h + norm2(a)

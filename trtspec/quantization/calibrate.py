@@ -177,8 +177,10 @@ class Calibration:
         session = self._session(value_names)
         model = self.model
         dtype = np.float16 if model["dtype"] == "float16" else np.float32
-        cache = np.zeros((1, model["num_kv_heads"], model["max_seq_len"], model["head_dim"]), dtype)
-        feeds = {name: cache for name in model["inputs"][2:]}
+        from ..engines.base import cache_slots
+
+        feeds = {past: np.zeros((1, model["num_kv_heads"], slots, model["head_dim"]), dtype)
+                 for past, slots in cache_slots(model).items()}
         per_window = math.ceil(rows / len(self.windows)) if rows else 0
         acc: dict[str, dict] = {name: {} for name in value_names}
         progress = Progress(f"calibrating{' ' + what if what else ''}", len(self.windows), "windows", log)

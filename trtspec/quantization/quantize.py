@@ -137,7 +137,8 @@ def quantize(
 
         texts, calibration = calibrate.load_texts(calib_file)
         tokenizer = AutoTokenizer.from_pretrained(export_dir / manifest["tokenizer"])
-        seq_len = min(CALIB_SEQ_LEN, manifest["model"]["max_seq_len"])
+        # one call per window: at most the tokens a call may carry (fewer where sliding-window layers keep rings)
+        seq_len = min(CALIB_SEQ_LEN, manifest["model"]["max_seq_len"], manifest["model"].get("max_call_tokens") or CALIB_SEQ_LEN)
         windows = calibrate.token_windows(texts, tokenizer, calib_samples or DEFAULT_CALIB_SAMPLES, seq_len)
         calibration.update(samples=len(windows), tokens=int(sum(map(len, windows))), seq_len=seq_len,
                            tokens_sha256=calibrate.windows_sha256(windows))

@@ -96,6 +96,7 @@ class DraftModelDrafter:
         self.engine = engine
         self.pad_id = pad_id
         self.cached = np.zeros(engine.max_batch, np.int64)  # tokens of each row in the draft's cache
+        self.max_call = getattr(engine, "max_call_tokens", engine.max_seq_len)
 
     def admit(self, row, prefix, n):
         if n:
@@ -124,6 +125,7 @@ class DraftModelDrafter:
         # pads sit beyond each row's cached tokens, where the mask hides them and later writes overwrite them
         width = int(max(1, (n - cached).max()))
         width = min(width, int((capacity - cached).min()))  # no row may write past the cache's capacity
+        width = min(width, self.max_call)  # (rings: a longer catch-up takes several rounds)
         offsets = np.arange(width)
         fed = np.clip(n - cached, 0, width)
         pos = cached[:, None] + offsets
@@ -165,10 +167,13 @@ class DraftModelDrafter:
         # one greedy row: the same calls as the batch path (catch-up, then k - 1 one-token calls), without its
         # array work, the chain's one-token calls in the engine's own loop (engines.base.greedy_steps)
         c = int(self.cached[0])
-        t0 = time.perf_counter()
-        logits = self.engine.forward(row_tokens[None, c:n], np.arange(c, n)[None])
+        calls = []
+        for start in range(c, n, self.max_call):  # one call, unless rings bound the tokens a call may carry
+            end = min(n, start + self.max_call)
+            t0 = time.perf_counter()
+            logits = self.engine.forward(row_tokens[None, start:end], np.arange(start, end)[None])
+            calls.append((1, end - start, time.perf_counter() - t0))
         chain = [int(logits[0, -1].argmax())]
-        calls = [(1, n - c, time.perf_counter() - t0)]
         if k > 1:
             steps, seconds = greedy_steps(self.engine, 0, chain[0], n, k - 1, lambda t: chain.append(t) or True)
             calls.extend([(1, 1, seconds / steps)] * steps)

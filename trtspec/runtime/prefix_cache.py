@@ -29,9 +29,11 @@ class PrefixCache:
     def lookup(self, prompt: np.ndarray):
         """(tokens reusable, target block, draft block) of the best entry for ``prompt``, or None."""
         best, best_len = None, 0
-        for key, (tokens, *_rest) in self.entries.items():
+        for key, (tokens, target, draft, _) in self.entries.items():
             m = min(tokens.size, prompt.size - 1)  # at least one prompt token is left to compute
             common = int(np.argmin(tokens[:m] == prompt[:m])) if m and not np.array_equal(tokens[:m], prompt[:m]) else m
+            if common < max(target.min_head, draft.min_head if draft is not None else 0):
+                continue  # a sliding-window ring of the entry no longer holds the window before ``common``
             if common > best_len:
                 best, best_len = key, common
         if best is None or best_len < self.min_tokens:

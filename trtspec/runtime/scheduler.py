@@ -133,6 +133,8 @@ class Scheduler:
             engines.append(self.draft)
         self.engines = engines
         self.capacity = min(e.max_seq_len for e in engines)
+        # tokens one call may carry (engines whose sliding-window layers keep rings take fewer than S_max)
+        self.max_call = min(getattr(e, "max_call_tokens", e.max_seq_len) for e in engines)
         engine_batch = min(e.max_batch for e in engines)
         if max_batch is None:
             max_batch = engine_batch
@@ -149,12 +151,12 @@ class Scheduler:
         self.drafter_name = drafter
         # the k values the engines can verify in one call (TensorRT engines have fixed profiles)
         sizes = getattr(self.target, "verify_tokens", None)
-        self.allowed_k = [k for k in range(1, self.capacity) if sizes is None or k + 1 in sizes]
+        self.allowed_k = [k for k in range(1, min(self.capacity, self.max_call)) if sizes is None or k + 1 in sizes]
         if drafter != "none":
             self._check_k(num_draft_tokens, allow_any=k_policy == "load-aware")
         self.num_draft_tokens = num_draft_tokens if drafter != "none" else 0
         self.policy = LoadAwareK(self.num_draft_tokens, self.allowed_k) if k_policy == "load-aware" else None
-        self.prefill_chunk = prefill_chunk
+        self.prefill_chunk = min(prefill_chunk, self.max_call)
         self.sampling = sampling
         self.aging_s = float(aging_s)
         self.prefix_cache = (
@@ -478,6 +480,8 @@ class Scheduler:
                 common, t_block, d_block = hit
                 # both caches must hold the reused slots: the draft then reads the rest of the prompt alongside
                 reused = min(common, t_block.tokens, self.drafter.reusable(d_block))
+                if reused < max(t_block.min_head, d_block.min_head if d_block is not None else 0):
+                    reused = 0  # a sliding-window ring no longer holds the window before that point
             if reused > 0:
                 self.target.load_prefix(t_block.head(reused), row)
                 self._stats.prefix_hits += 1

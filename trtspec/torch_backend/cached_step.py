@@ -15,9 +15,9 @@ class CachedStep(nn.Module):
         super().__init__()
         self.step = step
         spec = step.spec
-        shape = (max_batch, spec.num_kv_heads, step.max_seq_len, spec.head_dim)
         self.num_caches = 2 * spec.num_layers
-        for i in range(self.num_caches):  # key_0, value_0, key_1, ...
+        for i in range(self.num_caches):  # key_0, value_0, key_1, ...; S_max slots, or a sliding-window layer's ring
+            shape = (max_batch, spec.num_kv_heads, step.cache_slots[i // 2], spec.head_dim)
             self.register_buffer(f"cache_{i}", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
     def caches(self) -> list[torch.Tensor]:

@@ -14,7 +14,7 @@ import logging
 import os
 from pathlib import Path
 
-from ..engines.base import CallGuard, SavedPrefix, check_step_inputs
+from ..engines.base import CallGuard, SavedPrefix, check_step_inputs, max_call_tokens, ring_rows
 from ..errors import BackendUnavailableError
 from .source import load_source
 
@@ -45,12 +45,15 @@ class TorchEngine:
         self.max_seq_len = model["max_seq_len"]
         self.max_batch = model["max_batch"]
         self.vocab_size = model["vocab_size"]
+        self.max_call_tokens = max_call_tokens(model)
+        self._rings = ring_rows(model, self.max_batch)
         self.compile_backend = compile_backend
         self.device = torch.device(device)
         self._guard = CallGuard(f"{self.path} (torch)")
         # built on the CPU (its RoPE table comes from the HF rotary module there), then moved
         hf = source.hf_model.requires_grad_(False)
-        step = StepModel(hf, source.spec, self.max_seq_len, in_place_cache=not functional_cache).eval().to(self.device)
+        step = StepModel(hf, source.spec, self.max_seq_len, in_place_cache=not functional_cache,
+                         cache_slots=model["cache_slots"]).eval().to(self.device)
         self.module = CachedStep(step, self.max_batch, getattr(torch, model["dtype"]), self.device)
         if functional_cache:
             # TensorRT: the compiled graph takes the caches and returns them (the converter makes the
@@ -71,8 +74,10 @@ class TorchEngine:
 
         input_ids, position_ids = check_step_inputs(
             input_ids, position_ids, max_batch=self.max_batch, max_seq_len=self.max_seq_len, vocab_size=self.vocab_size,
-            first_row=first_row,
+            first_row=first_row, max_call=self.max_call_tokens,
         )
+        if self._rings is not None:
+            self._rings.wrote(first_row, position_ids)
         fn = self._graphed if input_ids.shape[1] <= MAX_GRAPHED_TOKENS else self._general
         ids = torch.from_numpy(input_ids).to(self.device)
         pos = torch.from_numpy(position_ids).to(self.device)
@@ -88,20 +93,27 @@ class TorchEngine:
         with self._guard:
             for cache in self.caches:
                 cache[dst, :, :n].copy_(cache[src, :, :n])
+            if self._rings is not None:
+                self._rings.moved(src, dst)
 
     def save_prefix(self, row: int, n: int):
         with self._guard:
-            return SavedPrefix([cache[row, :, :n].clone() for cache in self.caches])
+            parts = [cache[row, :, :n].clone() for cache in self.caches]
+            return self._rings.saved(parts, row, n) if self._rings is not None else SavedPrefix(parts)
 
     def load_prefix(self, saved, row: int):
         with self._guard:
             for cache, part in zip(self.caches, saved.parts):
                 cache[row, :, : part.shape[1]].copy_(part)
+            if self._rings is not None:
+                self._rings.loaded(saved, row)
 
     def reset(self):
         with self._guard:
             for cache in self.caches:
                 cache.zero_()
+            if self._rings is not None:
+                self._rings.reset()
 
 
 def _functional_call(compiled_step, module, first_row: int = 0):

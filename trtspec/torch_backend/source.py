@@ -63,8 +63,11 @@ def _from_export(path: Path, max_seq_len, max_batch, dtype) -> Source:
             f"{model_dir}/config.json changed since {path} was exported; re-export, or pass the HF directory itself"
         )
     m = exported["model"]
-    source = _load(model_dir, path, exported["tokenizer"], _or(max_seq_len, m["max_seq_len"]),
-                   _or(max_batch, m["max_batch"]), _or(dtype, m["dtype"]))
+    seq = _or(max_seq_len, m["max_seq_len"])
+    # the export's cache layout: rings where it has them, for the same call size
+    ring = min(m.get("cache_slots") or [m["max_seq_len"]]) < m["max_seq_len"]
+    source = _load(model_dir, path, exported["tokenizer"], seq, _or(max_batch, m["max_batch"]), _or(dtype, m["dtype"]),
+                   max_call_tokens=min(m["max_call_tokens"], seq) if ring else None, ring_cache=ring)
     if source.manifest["model"]["tokenizer_fingerprint"] != m["tokenizer_fingerprint"]:
         raise ArtifactError(
             f"the tokenizer in {model_dir} differs from the one exported into {path}; re-export the model"
@@ -72,12 +75,14 @@ def _from_export(path: Path, max_seq_len, max_batch, dtype) -> Source:
     return source
 
 
-def _load(model_dir: Path, path: Path, tokenizer_rel: str, max_seq_len: int, max_batch: int, dtype: str) -> Source:
+def _load(model_dir: Path, path: Path, tokenizer_rel: str, max_seq_len: int, max_batch: int, dtype: str, *,
+          max_call_tokens: int | None = None, ring_cache: bool = True) -> Source:
     config, spec, tokenizer, generation_config, hf = load_for_step(model_dir, max_seq_len, max_batch, dtype)
     manifest = {
         "format": "trtspec-torch",  # in memory only: a torch engine is compiled at load time, never written
         "backend": "torch",
-        "model": model_description(spec, config, generation_config, tokenizer, hf, max_seq_len, max_batch, dtype),
+        "model": model_description(spec, config, generation_config, tokenizer, hf, max_seq_len, max_batch, dtype,
+                                   max_call_tokens=max_call_tokens, ring_cache=ring_cache),
         "tokenizer": tokenizer_rel,
         "source": {"model_dir": str(model_dir.resolve())},
     }
