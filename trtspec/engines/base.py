@@ -25,6 +25,7 @@ class Engine(Protocol):
     max_seq_len: int
     max_batch: int
     vocab_size: int
+    max_call_tokens: int  # the most tokens one call may carry: S_max, or less where sliding-window layers keep rings
 
     def forward(self, input_ids: np.ndarray, position_ids: np.ndarray, first_row: int = 0) -> np.ndarray:
         """Run T new tokens per row for cache rows [first_row, first_row + B), writing their K/V into the
@@ -95,19 +96,11 @@ class RingRows:
         self.end.fill(-1)
 
 
-def cache_slots(model: dict) -> dict[str, int]:
-    """past_* input -> the slots of its cache: S_max, or a sliding-window layer's ring (older manifests: S_max)."""
-    slots = model.get("cache_slots") or [model["max_seq_len"]] * model["num_layers"]
-    return {past: slots[int(past.rsplit("_", 1)[1])] for past in model["kv_aliases"].values()}
-
-
-def max_call_tokens(model: dict) -> int:
-    """The most tokens one call may carry: S_max, or less where sliding-window layers keep rings."""
-    return model.get("max_call_tokens") or model["max_seq_len"]
-
-
 def ring_rows(model: dict, max_batch: int) -> RingRows | None:
-    return RingRows(max_batch, max_call_tokens(model)) if min(cache_slots(model).values()) < model["max_seq_len"] else None
+    from ..exporter.contract import max_call_tokens, slots_by_input
+
+    rings = min(slots_by_input(model).values()) < model["max_seq_len"]
+    return RingRows(max_batch, max_call_tokens(model)) if rings else None
 
 
 class CallGuard:

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .base import CallGuard, SavedPrefix, cache_slots, check_step_inputs, max_call_tokens, ring_rows
+from ..exporter.contract import max_call_tokens, slots_by_input
+from .base import CallGuard, SavedPrefix, check_step_inputs, ring_rows
 
 _NP_DTYPES = {"float32": np.float32, "float16": np.float16}
 
@@ -127,7 +128,7 @@ class OnnxRuntimeEngine:
         self._rings = ring_rows(model, self.max_batch)
         self._aliases = list(model["kv_aliases"].items())  # (present, past)
         self.cache = {past: np.zeros((self.max_batch, model["num_kv_heads"], slots, model["head_dim"]), dtype=self.dtype)
-                      for past, slots in cache_slots(model).items()}
+                      for past, slots in slots_by_input(model).items()}
         self._logits = np.empty(0, dtype=self._logits_dtype)  # grows to the largest B*T*V seen, then reused
         self._guard = CallGuard(str(self.path))
 
@@ -208,17 +209,19 @@ class OnnxRuntimeEngine:
             if (row, 1) != bd.rows:
                 self._bind_cache(bd, (row, 1))
             ids, pos, logits, run, binding = bd.ids, bd.pos, bd.logits[0, 0], g.session.run_with_iobinding, bd.io
-            for i in range(steps):
-                ids[0, 0] = token
-                pos[0, 0] = position + i
-                t0 = clock()
-                run(binding)
-                seconds += clock() - t0
-                if self._rings is not None:
+            try:
+                for i in range(steps):
+                    ids[0, 0] = token
+                    pos[0, 0] = position + i
+                    t0 = clock()
+                    run(binding)
+                    seconds += clock() - t0
+                    token = int(logits.argmax())
+                    if not on_token(token):
+                        return i + 1, seconds
+            finally:
+                if self._rings is not None:  # the calls wrote up to the last bound position
                     self._rings.wrote(row, pos)
-                token = int(logits.argmax())
-                if not on_token(token):
-                    return i + 1, seconds
         return steps, seconds
 
     def _bind_io(self, bd: _Binding, b: int, t: int, shared: bool):

@@ -87,6 +87,7 @@ class TensorRTEngine:
         self.plan = manifest["profile_plan"]
         model = manifest["model"]
         self.max_seq_len = model["max_seq_len"]
+        self.max_call_tokens = self.max_seq_len  # profile_plan refuses ring caches
         self.max_batch = self.plan["max_batch"]
         self.vocab_size = model["vocab_size"]
         self.verify_tokens = list(self.plan["verify_tokens"])  # T values with their own static profile

@@ -32,6 +32,17 @@ def cache_slots(windows, max_seq_len: int, max_call_tokens: int, *, ring_cache: 
     return [min(s, max_seq_len) for s in ring]
 
 
+def slots_by_input(model: dict) -> dict[str, int]:
+    """A manifest's ``model`` section -> {past_* input: its cache slots} (manifests before rings: S_max)."""
+    slots = model.get("cache_slots") or [model["max_seq_len"]] * model["num_layers"]
+    return {past: slots[int(past.rsplit("_", 1)[1])] for past in model["kv_aliases"].values()}
+
+
+def max_call_tokens(model: dict) -> int:
+    """A manifest's ``model`` section -> the most tokens one call may carry (S_max without rings)."""
+    return model.get("max_call_tokens") or model["max_seq_len"]
+
+
 def io_names(num_layers: int) -> IONames:
     past = [f"past_{kv}_{i}" for i in range(num_layers) for kv in ("key", "value")]
     present = [name.replace("past_", "present_", 1) for name in past]

@@ -177,10 +177,10 @@ class Calibration:
         session = self._session(value_names)
         model = self.model
         dtype = np.float16 if model["dtype"] == "float16" else np.float32
-        from ..engines.base import cache_slots
+        from ..exporter.contract import slots_by_input
 
         feeds = {past: np.zeros((1, model["num_kv_heads"], slots, model["head_dim"]), dtype)
-                 for past, slots in cache_slots(model).items()}
+                 for past, slots in slots_by_input(model).items()}
         per_window = math.ceil(rows / len(self.windows)) if rows else 0
         acc: dict[str, dict] = {name: {} for name in value_names}
         progress = Progress(f"calibrating{' ' + what if what else ''}", len(self.windows), "windows", log)

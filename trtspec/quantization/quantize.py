@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ArtifactError
+from ..exporter.contract import max_call_tokens
 from ..manifest import EXPORT_FORMAT, atomic_artifact, export_source, read_manifest, versions
 from . import calibrate, numerics, passes
 from ..progress import Progress
@@ -138,7 +139,7 @@ def quantize(
         texts, calibration = calibrate.load_texts(calib_file)
         tokenizer = AutoTokenizer.from_pretrained(export_dir / manifest["tokenizer"])
         # one call per window: at most the tokens a call may carry (fewer where sliding-window layers keep rings)
-        seq_len = min(CALIB_SEQ_LEN, manifest["model"]["max_seq_len"], manifest["model"].get("max_call_tokens") or CALIB_SEQ_LEN)
+        seq_len = min(CALIB_SEQ_LEN, max_call_tokens(manifest["model"]))
         windows = calibrate.token_windows(texts, tokenizer, calib_samples or DEFAULT_CALIB_SAMPLES, seq_len)
         calibration.update(samples=len(windows), tokens=int(sum(map(len, windows))), seq_len=seq_len,
                            tokens_sha256=calibrate.windows_sha256(windows))

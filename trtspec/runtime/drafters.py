@@ -96,7 +96,7 @@ class DraftModelDrafter:
         self.engine = engine
         self.pad_id = pad_id
         self.cached = np.zeros(engine.max_batch, np.int64)  # tokens of each row in the draft's cache
-        self.max_call = getattr(engine, "max_call_tokens", engine.max_seq_len)
+        self.max_call = engine.max_call_tokens
 
     def admit(self, row, prefix, n):
         if n:

@@ -134,7 +134,7 @@ class Scheduler:
         self.engines = engines
         self.capacity = min(e.max_seq_len for e in engines)
         # tokens one call may carry (engines whose sliding-window layers keep rings take fewer than S_max)
-        self.max_call = min(getattr(e, "max_call_tokens", e.max_seq_len) for e in engines)
+        self.max_call = min(e.max_call_tokens for e in engines)
         engine_batch = min(e.max_batch for e in engines)
         if max_batch is None:
             max_batch = engine_batch

@@ -14,7 +14,8 @@ import logging
 import os
 from pathlib import Path
 
-from ..engines.base import CallGuard, SavedPrefix, check_step_inputs, max_call_tokens, ring_rows
+from ..engines.base import CallGuard, SavedPrefix, check_step_inputs, ring_rows
+from ..exporter.contract import max_call_tokens
 from ..errors import BackendUnavailableError
 from .source import load_source
 
