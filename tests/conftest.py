@@ -110,9 +110,9 @@ class WrappedEngine:
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
-    def forward(self, ids, pos, first_row=0):
+    def forward(self, ids, pos, first_row=0, **kw):
         self.before(ids, pos, first_row)
-        return self.engine.forward(ids, pos, first_row=first_row)
+        return self.engine.forward(ids, pos, first_row=first_row, **kw)
 
 
 __all__ = ["ARCHITECTURES", "MAX_BATCH", "S_MAX", "Server", "WrappedEngine", "hf_logits", "random_ids"]

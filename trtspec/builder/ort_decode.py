@@ -22,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from ..exporter.contract import TREE_MASK
 from .ort_lowering import MS, PACKED_LOOKUP, _const, _op, _take_over
 
 
@@ -71,10 +72,13 @@ def rewrite(model: ir.Model, *, num_heads: int, num_kv_heads: int) -> int:
     masks = {id(n.inputs[3]) for n in attentions if len(n.inputs) > 3}
     if len(masks) != 1:
         raise NotApplicable("layers with sliding windows (several attention masks)")
+    tree_mask = next((v for v in graph.inputs if v.name == TREE_MASK), None)
     mask = attentions[0].inputs[3].producer()
     if mask is not None and mask.op_type == "Slice":  # the live-length slice
         mask = mask.inputs[0].producer()
-    if mask is None or mask.op_type != "LessOrEqual":  # slot <= position, and nothing else
+    # slot <= position, and nothing else; a tree graph's mask is that one for every call this graph runs (calls
+    # without a tree: the engine sends tree calls to the built graph), and the decode graph drops the tree input
+    if tree_mask is None and (mask is None or mask.op_type != "LessOrEqual"):
         raise NotApplicable("the attention mask is not the plain causal one (a sliding window?)")
     anchor = next(iter(graph))
     last = _op(graph, anchor, "Gather", [position_ids, _const(graph, "gqa.last", np.array(-1, np.int64))],
@@ -134,9 +138,31 @@ def rewrite(model: ir.Model, *, num_heads: int, num_kv_heads: int) -> int:
     from onnx_ir.passes.common import RemoveUnusedNodesPass
 
     RemoveUnusedNodesPass()(model)
+    if tree_mask is not None:
+        _drop_tree_input(graph, tree_mask)
     model.opset_imports.setdefault(MS, 1)
     graph.sort()
     return len(attentions)
+
+
+def _drop_tree_input(graph: ir.Graph, tree_mask: ir.Value) -> None:
+    """The decode graph has no tree input: its attention no longer reads the mask, though the exporter may have
+    taken the call's size from the mask's shape; those Shape nodes read a [B, T, T] tensor made here instead."""
+    users = [use.node for use in tree_mask.uses()]
+    if any(node.op_type != "Shape" for node in users):
+        raise NotApplicable(f"the tree mask still feeds {sorted({n.op_type for n in users})} after the rewrite")
+    if users:
+        input_ids = next(v for v in graph.inputs if v.name == "input_ids")
+        anchor = next(iter(graph))
+        ids_shape = _op(graph, anchor, "Shape", [input_ids], "tree_shape/ids")
+        tail = _op(graph, anchor, "Shape", [input_ids], "tree_shape/tokens", start=1)
+        shape = _op(graph, anchor, "Concat", [ids_shape, tail], "tree_shape/value", axis=0)
+        stand_in = _op(graph, anchor, "Expand", [_const(graph, "tree_shape.true", np.array(True)), shape],
+                       "tree_shape/stand_in")
+        for node in users:
+            node.replace_input_with(0, stand_in)
+    graph.inputs.remove(tree_mask)
+    graph.sort()
 
 
 def packed_lookup(model: ir.Model) -> int:

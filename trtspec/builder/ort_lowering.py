@@ -28,6 +28,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ..engines.onnxruntime import MATMUL_NBITS_ACCURACY_LEVEL
+from ..exporter.contract import TREE_MASK
 
 MS = "com.microsoft"
 log = logging.getLogger("trtspec.build")
@@ -302,10 +303,20 @@ def attention_live_length(model: ir.Model) -> int:
     if position_ids is None or not nodes:
         return 0
     anchor = next(iter(graph))  # position_ids is a graph input: compute L once, first
-    top = _op(graph, anchor, "ReduceMax", [position_ids], "live_length/max", keepdims=0)
-    length = _op(graph, anchor, "Add", [_op(graph, anchor, "Reshape", [top, _int64(graph, "live_length.shape", [1])],
-                                            "live_length/max1"),
-                                        _int64(graph, "live_length.one", [1])], "live_length/value")
+    if _input(graph, TREE_MASK) is not None:
+        # a tree call writes T slots from position_ids[:, 0], though its nodes' positions reach only the tree's depth
+        first = _op(graph, anchor, "Gather", [position_ids, _int64(graph, "live_length.first", [0])],
+                    "live_length/first", axis=1)  # [B, 1]
+        calls = _op(graph, anchor, "Gather", [_op(graph, anchor, "Shape", [position_ids], "live_length/shape"),
+                                              _int64(graph, "live_length.t_axis", [1])], "live_length/tokens")
+        top = _op(graph, anchor, "ReduceMax", [first], "live_length/max", keepdims=0)
+        length = _op(graph, anchor, "Add", [_op(graph, anchor, "Reshape", [top, _int64(graph, "live_length.shape", [1])],
+                                                "live_length/max1"), calls], "live_length/value")
+    else:
+        top = _op(graph, anchor, "ReduceMax", [position_ids], "live_length/max", keepdims=0)
+        length = _op(graph, anchor, "Add", [_op(graph, anchor, "Reshape", [top, _int64(graph, "live_length.shape", [1])],
+                                                "live_length/max1"),
+                                            _int64(graph, "live_length.one", [1])], "live_length/value")
     zero, seq_axis, mask_axis = (_int64(graph, "live_length.zero", [0]), _int64(graph, "live_length.kv_axis", [2]),
                                  _int64(graph, "live_length.mask_axis", [3]))
     masks: dict[int, ir.Value] = {}

@@ -16,7 +16,7 @@ from pathlib import Path
 from onnx import TensorProto
 
 from ..errors import ArtifactError
-from ..exporter.contract import contract_violations
+from ..exporter.contract import contract_options, contract_violations
 from ..manifest import EXPORT_FORMAT, read_manifest
 from ..onnx_graph import GraphIndex, attr, dims
 from ..quantization.rules import qdq_node_violations
@@ -123,7 +123,7 @@ def tensorrt_violations(model_proto, model: dict, base_dir=None) -> list[str]:
     """Every documented reason TensorRT would refuse or mis-import this step graph, one line each, naming the node.
 
     ``base_dir``: the graph file's directory, for a model loaded without its external data."""
-    problems = [f"contract: {p}" for p in contract_violations(model_proto, model["num_layers"])]
+    problems = [f"contract: {p}" for p in contract_violations(model_proto, model["num_layers"], **contract_options(model))]
     g = GraphIndex(model_proto, base_dir)
     problems += _check_cache_dtypes(g, model)
     for node in model_proto.graph.node:

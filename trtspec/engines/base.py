@@ -34,6 +34,10 @@ class Engine(Protocol):
     def move_row(self, src: int, dst: int, n: int | None = None) -> None:
         """Copy cache row src (its first n slots, or all) into row dst (the runtime compacts its batch)."""
 
+    def keep_path(self, row: int, start: int, nodes) -> None:
+        """After a tree call wrote nodes at slots start, start + 1, ...: move node nodes[j]'s K/V to slot
+        start + j (an accepted path; nodes increasing, nodes[j] >= j), within the row, no other slot touched."""
+
     def reset(self) -> None:
         """Zero the KV cache."""
 
@@ -131,9 +135,45 @@ def lease(engine) -> threading.Lock:
     return lock
 
 
+def tree_positions(parents) -> tuple[np.ndarray, np.ndarray]:
+    """parents [B, T] (each node's parent index, -1 for the root at 0; parents before children) ->
+    (tree_mask [B, T, T] bool: ancestors and self, depth [B, T]) for a tree call (exporter/contract.py)."""
+    parents = np.asarray(parents, np.int64)
+    b, t = parents.shape
+    mask = np.zeros((b, t, t), bool)
+    depth = np.zeros((b, t), np.int64)
+    rows = np.arange(b)
+    for i in range(t):
+        p = parents[:, i]
+        has = p >= 0
+        if i:
+            mask[has, i, :i] = mask[rows[has], p[has], :i]
+            depth[has, i] = depth[rows[has], p[has]] + 1
+        mask[:, i, i] = True
+    return mask, depth
+
+
+def check_tree(tree_mask, position_ids) -> np.ndarray:
+    """A tree call's mask and positions keep the contract: every node sees itself and only earlier nodes (a
+    parent comes before its children), what it sees is closed under ancestry, and its position is the root's
+    plus its depth. Returns the mask as a C-contiguous bool array."""
+    tree_mask = np.ascontiguousarray(tree_mask, dtype=bool)
+    b, t = position_ids.shape
+    if tree_mask.shape != (b, t, t):
+        raise ValueError(f"tree_mask must be [batch, tokens, tokens] = {(b, t, t)}, got {tree_mask.shape}")
+    if not tree_mask[:, np.arange(t), np.arange(t)].all() or np.triu(tree_mask, 1).any():
+        raise ValueError("tree_mask: each node must see itself and only nodes before it (a parent before its children)")
+    depth = tree_mask.sum(-1) - 1
+    if np.any(position_ids != position_ids[:, :1] + depth) or np.any(tree_mask[:, :, 0] == 0):
+        raise ValueError("tree_mask: every node descends from node 0 (the root) and sits at the root's position "
+                         "plus its depth (the number of nodes above it)")
+    return tree_mask
+
+
 def check_step_inputs(input_ids, position_ids, *, max_batch: int, max_seq_len: int, vocab_size: int,
-                      first_row: int = 0, max_call: int | None = None):
-    """Validate one step call before anything touches the cache; returns C-contiguous int64 arrays."""
+                      first_row: int = 0, max_call: int | None = None, tree: bool = False):
+    """Validate one step call before anything touches the cache; returns C-contiguous int64 arrays.
+    ``tree``: the call carries a tree_mask (checked by check_tree): positions follow the tree, not the slots."""
     # input_ids [B, T] int, position_ids [B, T] int, consecutive per row
     input_ids = np.ascontiguousarray(input_ids, dtype=np.int64)
     position_ids = np.ascontiguousarray(position_ids, dtype=np.int64)
@@ -159,7 +199,7 @@ def check_step_inputs(input_ids, position_ids, *, max_batch: int, max_seq_len: i
     start = position_ids[:, 0]
     if start.min() < 0:
         raise ValueError("position_ids must be non-negative")
-    if t > 1 and np.any(position_ids != start[:, None] + np.arange(t)):
+    if t > 1 and not tree and np.any(position_ids != start[:, None] + np.arange(t)):
         raise ValueError("position_ids must be consecutive within each row (the new tokens fill consecutive cache slots)")
     end = int(start.max()) + t
     if end > max_seq_len:

@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from ..exporter.contract import max_call_tokens, slots_by_input
-from .base import CallGuard, SavedPrefix, check_step_inputs, ring_rows
+from ..exporter.contract import HIDDEN_STATES, TREE_MASK
+from .base import CallGuard, SavedPrefix, check_step_inputs, check_tree, ring_rows
 
 _NP_DTYPES = {"float32": np.float32, "float16": np.float16}
 
@@ -79,6 +80,9 @@ class _Binding:
         self.rows = None  # (first_row, B) of the bound cache rows
         self.shape = None  # (B, T) of the bound inputs and logits
         self.ids = self.pos = self.logits = None
+        self.tree = None  # the bound tree_mask (graphs with one), and whether it holds the causal (chain) mask
+        self.causal = False
+        self.features = None  # the bound hidden_states output (graphs with one)
 
 
 class _Graph:
@@ -97,6 +101,7 @@ class _Graph:
         import onnxruntime as ort
 
         self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        self.tree = TREE_MASK in {i.name for i in self.session.get_inputs()}
         self.small: OrderedDict[tuple[int, int], _Binding] = OrderedDict()
         self.other = _Binding(self.session)
 
@@ -124,6 +129,9 @@ class OnnxRuntimeEngine:
         self._decode = _Graph(self.path / decode, self._options) if decode else None
         self._full = None if self._decode else _Graph(self.path / manifest["graph"], self._options)
         self._logits_dtype = self.dtype
+        self.tree_verify = bool(model.get("tree_verify"))
+        self.features_size = (model.get("hidden_states") or {}).get("size")
+        self.features = None  # the last call's hidden_states output [B, T, features_size] (graphs exported with it)
         self.max_call_tokens = max_call_tokens(model)
         self._rings = ring_rows(model, self.max_batch)
         self._aliases = list(model["kv_aliases"].items())  # (present, past)
@@ -137,8 +145,8 @@ class OnnxRuntimeEngine:
         """The session that runs a one-token call (the decode graph where the engine has one)."""
         return (self._decode or self._full).session
 
-    def _graph_for(self, b: int, t: int) -> _Graph:
-        if self._decode is not None and (b == 1 or t == 1):
+    def _graph_for(self, b: int, t: int, tree: bool = False) -> _Graph:
+        if self._decode is not None and (b == 1 or t == 1) and not tree:
             return self._decode
         if self._full is None:
             self._full = _Graph(self.path / self.manifest["graph"], self._options)
@@ -149,12 +157,12 @@ class OnnxRuntimeEngine:
         if b * t * self.vocab_size * self._logits.itemsize > g.SMALL_LOGITS_BYTES:
             bd = g.other
             if (b, t) != bd.shape or bd.logits.base is not self._logits:
-                self._bind_io(bd, b, t, shared=True)
+                self._bind_io(g, bd, b, t, shared=True)
             return bd
         bd = g.small.get((b, t))
         if bd is None:
             bd = g.small[(b, t)] = _Binding(g.session)
-            self._bind_io(bd, b, t, shared=False)
+            self._bind_io(g, bd, b, t, shared=False)
             if len(g.small) > g.SMALL_BINDINGS:
                 g.small.popitem(last=False)
         else:
@@ -172,22 +180,36 @@ class OnnxRuntimeEngine:
             bd.io.bind_output(present, "cpu", 0, self.dtype, shape, ptr)
         bd.rows = rows
 
-    def forward(self, input_ids, position_ids, first_row: int = 0):
+    def forward(self, input_ids, position_ids, first_row: int = 0, tree_mask=None):
         # input_ids [B, T] int64, position_ids [B, T] int64 -> logits [B, T, V]; cache rows [first_row, first_row + B)
+        # tree_mask [B, T, T] bool: a tree call (engines exported with tree verification; contract.py).
         # The returned array is a reused buffer: valid until the next call of the same shape.
+        tree = tree_mask is not None
+        if tree and not self.tree_verify:
+            raise ValueError(f"{self.path} was exported without tree verification; re-export the target with "
+                             "--tree (trtspec export) to verify token trees")
         input_ids, position_ids = check_step_inputs(
             input_ids, position_ids, max_batch=self.max_batch, max_seq_len=self.max_seq_len, vocab_size=self.vocab_size,
-            first_row=first_row, max_call=self.max_call_tokens,
+            first_row=first_row, max_call=self.max_call_tokens, tree=tree,
         )
+        if tree:
+            tree_mask = check_tree(tree_mask, position_ids)
         b, t = input_ids.shape
         with self._guard:
-            g = self._graph_for(b, t)
+            g = self._graph_for(b, t, tree)
             bd = self._binding(g, b, t)
             if (first_row, b) != bd.rows:
                 self._bind_cache(bd, (first_row, b))
             np.copyto(bd.ids, input_ids)
             np.copyto(bd.pos, position_ids)
+            if tree:
+                np.copyto(bd.tree, tree_mask)
+                bd.causal = False
+            elif bd.tree is not None and not bd.causal:
+                bd.tree[:] = np.tril(np.ones((t, t), bool))
+                bd.causal = True
             g.session.run_with_iobinding(bd.io)
+            self.features = bd.features
             if self._rings is not None:
                 self._rings.wrote(first_row, position_ids)
         return bd.logits
@@ -208,6 +230,10 @@ class OnnxRuntimeEngine:
             bd = self._binding(g, 1, 1)
             if (row, 1) != bd.rows:
                 self._bind_cache(bd, (row, 1))
+            if bd.tree is not None and not bd.causal:
+                bd.tree[:] = True
+                bd.causal = True
+            self.features = bd.features
             ids, pos, logits, run, binding = bd.ids, bd.pos, bd.logits[0, 0], g.session.run_with_iobinding, bd.io
             try:
                 for i in range(steps):
@@ -224,7 +250,7 @@ class OnnxRuntimeEngine:
                     self._rings.wrote(row, pos)
         return steps, seconds
 
-    def _bind_io(self, bd: _Binding, b: int, t: int, shared: bool):
+    def _bind_io(self, g: _Graph, bd: _Binding, b: int, t: int, shared: bool):
         # input_ids/position_ids/logits live in buffers of ours; a shared binding's logits are a view of the
         # engine's one large buffer (grown to the largest call seen), a small shape's are its own
         n = b * t * self.vocab_size
@@ -239,6 +265,13 @@ class OnnxRuntimeEngine:
         bd.io.bind_input("input_ids", "cpu", 0, np.int64, [b, t], bd.ids.ctypes.data)
         bd.io.bind_input("position_ids", "cpu", 0, np.int64, [b, t], bd.pos.ctypes.data)
         bd.io.bind_output("logits", "cpu", 0, self._logits_dtype, [b, t, self.vocab_size], bd.logits.ctypes.data)
+        if g.tree:
+            bd.tree = np.tril(np.ones((b, t, t), bool))
+            bd.causal = True
+            bd.io.bind_input(TREE_MASK, "cpu", 0, np.bool_, [b, t, t], bd.tree.ctypes.data)
+        if self.features_size:
+            bd.features = np.empty((b, t, self.features_size), dtype=self._logits_dtype)
+            bd.io.bind_output(HIDDEN_STATES, "cpu", 0, self._logits_dtype, list(bd.features.shape), bd.features.ctypes.data)
         bd.shape = (b, t)
 
     # A ring's slots [0, n) clip to the ring: a row past its length moves (and saves) whole.
@@ -248,6 +281,16 @@ class OnnxRuntimeEngine:
                 buf[dst, :, :n] = buf[src, :, :n]
             if self._rings is not None:
                 self._rings.moved(src, dst)
+
+    def keep_path(self, row: int, start: int, nodes):
+        nodes = np.asarray(nodes, np.int64)
+        moved = np.flatnonzero(nodes != np.arange(nodes.size))
+        if not moved.size:
+            return
+        src, dst = start + nodes[moved], start + moved
+        with self._guard:
+            for buf in self.cache.values():
+                buf[row, :, dst] = buf[row, :, src]  # (fancy indexing reads every source before it writes)
 
     def save_prefix(self, row: int, n: int):
         # -> [Hkv, n, D] copies (a wrapped ring: [Hkv, slots, D]), one per cache buffer

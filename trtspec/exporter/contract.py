@@ -43,15 +43,61 @@ def max_call_tokens(model: dict) -> int:
     return model.get("max_call_tokens") or model["max_seq_len"]
 
 
-def io_names(num_layers: int) -> IONames:
+# Optional parts of the contract (export options; the manifest's model section records them):
+# - input ``tree_mask`` [B, T, T] bool (``tree``): a tree-verify call. Node i of a row sees every cache slot before
+#   the call's first write (position_ids[:, 0], the root's position), and of the call's own slots
+#   position_ids[:, 0] + j those with tree_mask[:, i, j]: its ancestors and itself. Nodes are in topological order
+#   (a parent before its children) and node i's position is the root's plus its depth. A chain's mask is the
+#   lower triangle, which gives the plain causal call.
+# - output ``hidden_states`` [B, T, len(layers) * hidden] (``hidden_states``): HF's output_hidden_states[i] for
+#   each i in the manifest's ``hidden_states.layers`` (the input of layer i; i = num_layers: the last hidden
+#   state, after the final norm), concatenated in that order: the target features draft heads read.
+TREE_MASK = "tree_mask"
+HIDDEN_STATES = "hidden_states"
+
+
+def io_names(num_layers: int, *, tree: bool = False, hidden_states: bool = False) -> IONames:
     past = [f"past_{kv}_{i}" for i in range(num_layers) for kv in ("key", "value")]
     present = [name.replace("past_", "present_", 1) for name in past]
-    return IONames(["input_ids", "position_ids", *past], ["logits", *present], dict(zip(present, past)))
+    inputs = ["input_ids", "position_ids", *([TREE_MASK] if tree else []), *past]
+    outputs = ["logits", *([HIDDEN_STATES] if hidden_states else []), *present]
+    return IONames(inputs, outputs, dict(zip(present, past)))
 
 
-def contract_violations(model, num_layers: int) -> list[str]:
+def contract_options(model: dict) -> dict:
+    """A manifest's ``model`` section -> the optional parts its graph has (io_names' keyword arguments)."""
+    return {"tree": bool(model.get("tree_verify")), "hidden_states": bool(model.get("hidden_states"))}
+
+
+def parse_hidden_states(value, num_layers: int) -> list[int]:
+    """``hidden_states`` as given to export ("low,mid,high", "last", or layer indices) -> HF hidden_states indices.
+
+    low/mid/high are the layers EAGLE-3 reads (2, L // 2, L - 3, as its authors' code picks them; clamped into a
+    small model's [0, L - 1]); "last" is index L, the final-normed state Medusa heads read."""
+    if value is None or value == "" or value == []:
+        return []
+    names = {"low": min(2, num_layers - 1), "mid": num_layers // 2, "high": max(num_layers - 3, 0), "last": num_layers}
+    items = value.split(",") if isinstance(value, str) else list(value)
+    layers = []
+    for item in items:
+        item = item.strip() if isinstance(item, str) else item
+        if isinstance(item, str) and item in names:
+            layers.append(names[item])
+        else:
+            try:
+                index = int(item)
+            except (TypeError, ValueError):
+                raise ValueError(f"hidden_states: {item!r} is neither low, mid, high, last nor a layer index") from None
+            if not 0 <= index <= num_layers:
+                raise ValueError(f"hidden_states: layer index {index} outside [0, {num_layers}] (the model has "
+                                 f"{num_layers} layers; {num_layers} is the last hidden state)")
+            layers.append(index)
+    return layers
+
+
+def contract_violations(model, num_layers: int, *, tree: bool = False, hidden_states: bool = False) -> list[str]:
     """Every way an onnx ModelProto breaks the step-graph contract, one line each (empty: it keeps it)."""
-    names = io_names(num_layers)
+    names = io_names(num_layers, tree=tree, hidden_states=hidden_states)
     graph = model.graph
     problems = []
     if [i.name for i in graph.input] != names.inputs:
@@ -89,7 +135,7 @@ def contract_violations(model, num_layers: int) -> list[str]:
     return problems
 
 
-def check_step_graph(model, num_layers: int) -> None:
-    problems = contract_violations(model, num_layers)
+def check_step_graph(model, num_layers: int, *, tree: bool = False, hidden_states: bool = False) -> None:
+    problems = contract_violations(model, num_layers, tree=tree, hidden_states=hidden_states)
     if problems:
         raise ArtifactError("the graph breaks the step-graph contract:\n  " + "\n  ".join(problems))

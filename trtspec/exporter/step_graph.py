@@ -13,7 +13,7 @@ from pathlib import Path
 from ..errors import UnsupportedModelError
 from ..manifest import EXPORT_FORMAT, atomic_artifact, sha256_file, versions
 from .architectures import arch_spec
-from .contract import DEFAULT_MAX_CALL_TOKENS, cache_slots, check_step_graph, io_names
+from .contract import DEFAULT_MAX_CALL_TOKENS, cache_slots, check_step_graph, io_names, parse_hidden_states
 
 OPSET = 24
 GRAPH_FILE = "model.onnx"
@@ -183,12 +183,17 @@ def export(
     dtype: str = "float32",
     max_call_tokens: int | None = None,
     ring_cache: bool = True,
+    tree: bool = False,
+    hidden_states=None,
 ) -> Path:
     """Export a Hugging Face causal LM directory to a step graph artifact; returns out_dir.
 
     Sliding-window layers keep a ring buffer of window + max_call_tokens - 1 slots (default max_call_tokens 128)
     where that is smaller than max_seq_len; calls then carry at most max_call_tokens tokens. ``ring_cache=False``
-    keeps full-size caches (TensorRT's KV cache update has no circular mode)."""
+    keeps full-size caches (TensorRT's KV cache update has no circular mode).
+
+    ``tree=True`` adds the ``tree_mask`` input (one call verifies a token tree); ``hidden_states`` ("low,mid,high",
+    "last" or layer indices) adds the ``hidden_states`` output draft heads read (exporter/contract.py)."""
     import onnx
     import torch
 
@@ -205,25 +210,28 @@ def export(
     t0 = time.perf_counter()
     config, spec, tokenizer, generation_config, hf = load_for_step(model_dir, max_seq_len, max_batch, dtype)
 
+    layers = parse_hidden_states(hidden_states, spec.num_layers)
     model = model_description(spec, config, generation_config, tokenizer, hf, max_seq_len, max_batch, dtype,
                               max_call_tokens=max_call_tokens, ring_cache=ring_cache)
-    step = StepModel(hf, spec, max_seq_len, cache_slots=model["cache_slots"]).eval()
-    names = io_names(spec.num_layers)
+    if tree:
+        model["tree_verify"] = True
+    if layers:
+        model["hidden_states"] = {"layers": layers, "size": len(layers) * spec.hidden_size}
+    step = StepModel(hf, spec, max_seq_len, cache_slots=model["cache_slots"], tree=tree, hidden_layers=layers).eval()
+    names = io_names(spec.num_layers, tree=tree, hidden_states=bool(layers))
     tdtype = getattr(torch, dtype)
     # Example batch 2 and T 3: with 1 the exporter may specialise the dimension (DESIGN.md §2).
     b, t = 2, min(3, model["max_call_tokens"])
-    args = (
-        torch.zeros(b, t, dtype=torch.long),
-        torch.arange(t).repeat(b, 1),
-        *[torch.zeros((b, spec.num_kv_heads, model["cache_slots"][i // 2], spec.head_dim), dtype=tdtype)
-          for i in range(2 * spec.num_layers)],
-    )
+    caches = [torch.zeros((b, spec.num_kv_heads, model["cache_slots"][i // 2], spec.head_dim), dtype=tdtype)
+              for i in range(2 * spec.num_layers)]
+    tree_args = [torch.tril(torch.ones(t, t, dtype=torch.bool)).repeat(b, 1, 1)] if tree else []
+    args = (torch.zeros(b, t, dtype=torch.long), torch.arange(t).repeat(b, 1), *tree_args, *caches)
     batch = torch.export.Dim("batch", min=1, max=max(max_batch, 2))
     seq = torch.export.Dim("seq", min=1, max=model["max_call_tokens"])
     dynamic_shapes = {
         "input_ids": {0: batch, 1: seq},
         "position_ids": {0: batch, 1: seq},
-        "past": tuple({0: batch} for _ in range(2 * spec.num_layers)),
+        "past": tuple([{0: batch, 1: seq, 2: seq}] * len(tree_args) + [{0: batch}] * (2 * spec.num_layers)),
     }
     rings = sum(n < max_seq_len for n in model["cache_slots"])
     if rings:
@@ -264,7 +272,8 @@ def export(
         graph_path = tmp / GRAPH_FILE
         program.save(graph_path, external_data=model["weight_bytes"] > EXTERNAL_DATA_BYTES)
         onnx.checker.check_model(str(graph_path), full_check=True)
-        check_step_graph(onnx.load(str(graph_path), load_external_data=False), spec.num_layers)
+        check_step_graph(onnx.load(str(graph_path), load_external_data=False), spec.num_layers, tree=tree,
+                         hidden_states=bool(layers))
         tokenizer.save_pretrained(tmp / "tokenizer")
         manifest["tokenizer"] = "tokenizer"
     log.info("wrote %s in %.1f s", out_dir, time.perf_counter() - t0)

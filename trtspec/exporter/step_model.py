@@ -49,15 +49,22 @@ class StepModel(nn.Module):
     """
 
     def __init__(self, hf_model: nn.Module, spec: ArchSpec, max_seq_len: int, *, in_place_cache: bool = False,
-                 cache_slots: list[int] | None = None):
+                 cache_slots: list[int] | None = None, tree: bool = False, hidden_layers: list[int] | None = None):
         super().__init__()
         self.spec = spec
+        # tree: a tree_mask input [B, T, T] (contract.py); hidden_layers: HF hidden_states indices output, concatenated
+        self.tree = tree
+        self.hidden_layers = list(hidden_layers or [])
         self.in_place_cache = in_place_cache
         self.max_seq_len = max_seq_len
         # per layer: S_max, or a sliding-window layer's ring length (contract.cache_slots)
         self.cache_slots = list(cache_slots) if cache_slots is not None else [max_seq_len] * spec.num_layers
         self.mask_keys = [("ring", w, n) if n < max_seq_len else w
                           for w, n in zip(spec.sliding_windows, self.cache_slots)]
+        if tree and min(self.cache_slots) < max_seq_len:
+            raise ValueError("tree verification needs full caches on sliding-window layers (a tree's nodes do not "
+                             "hold consecutive positions, which a ring's slot arithmetic assumes): export with "
+                             "--no-ring-cache")
         self.lm_head = hf_model.lm_head
         dtype = self.lm_head.weight.dtype
         if spec.family == "gpt2":
@@ -96,6 +103,25 @@ class StepModel(nn.Module):
         self.register_buffer("slots", torch.arange(max_seq_len), persistent=False)
         for n in set(self.cache_slots) - {max_seq_len}:
             self.register_buffer(f"ring_slots_{n}", torch.arange(n), persistent=False)
+
+    def tree_masks(self, position_ids, tree_mask):
+        # A tree call: node i (position position_ids[:, i]) sees every slot before the call's first write and, of
+        # the call's own slots write + j, those tree_mask[:, i, j] marks (its ancestors and itself).
+        # -> {mask key: bool [B, 1, T, S_max]}
+        write = position_ids[:, :1]  # [B, 1]: the root's position is the call's first slot
+        rel = self.slots - write  # [B, S]
+        t = tree_mask.shape[-1]
+        idx = torch.clamp(rel, min=0)
+        idx = torch.minimum(idx, torch.full_like(idx, t - 1))
+        in_call = tree_mask.gather(2, idx[:, None, :].expand(-1, t, -1)) & (rel >= 0)[:, None, :] & (rel < t)[:, None, :]
+        visible = (rel < 0)[:, None, :] | in_call  # [B, T, S]
+        key_pos = torch.where(rel < 0, self.slots, position_ids.gather(1, idx))  # the position each slot holds
+        pos = position_ids[:, :, None]
+        out = {}
+        for key in set(self.mask_keys):
+            mask = visible if key is None else visible & (key_pos[:, None, :] > pos - key)
+            out[key] = mask[:, None]
+        return out
 
     def masks(self, position_ids):
         # position_ids [B, T] -> {mask key: bool [B, 1, T, slots]}; True where the slot may be attended.
@@ -166,10 +192,15 @@ class StepModel(nn.Module):
         return out_proj(y), present_key, present_value
 
     def forward(self, input_ids, position_ids, *past):
-        # input_ids [B, T] int64, position_ids [B, T] int64, past 2L x [B, Hkv, slots_i, D] (slots_i: S_max or a ring)
-        # -> logits [B, T, V], present 2L x [B, Hkv, slots_i, D]
+        # input_ids [B, T] int64, position_ids [B, T] int64, [tree_mask [B, T, T] bool,]
+        # past 2L x [B, Hkv, slots_i, D] (slots_i: S_max or a ring)
+        # -> logits [B, T, V], [hidden_states [B, T, len(hidden_layers) * H],] present 2L x [B, Hkv, slots_i, D]
         write_indices = position_ids[:, 0]
-        masks = self.masks(position_ids)
+        if self.tree:
+            masks = self.tree_masks(position_ids, past[0])
+            past = past[1:]
+        else:
+            masks = self.masks(position_ids)
         h = self.embed(input_ids)
         rope = None
         if self.pos_embed is not None:
@@ -177,8 +208,10 @@ class StepModel(nn.Module):
         else:  # [B, 1, T, D] per table
             ropes = [(F.embedding(position_ids, getattr(self, cos))[:, None],
                       F.embedding(position_ids, getattr(self, sin))[:, None]) for cos, sin in self.rope_names]
-        present = []
+        present, hidden = [], {}
         for i, layer in enumerate(self.layers):
+            if i in self.hidden_layers:  # HF's hidden_states[i]: the input of layer i
+                hidden[i] = h
             if self.spec.family == "gpt2":
                 norm1, norm2 = layer.ln_1, layer.ln_2
             else:
@@ -194,7 +227,11 @@ class StepModel(nn.Module):
                 h = h + a
                 h = h + layer.mlp(norm2(h))
             present += [key, value]
-        logits = self.lm_head(self.final_norm(h))
+        h = self.final_norm(h)
+        hidden[len(self.layers)] = h  # HF's last hidden state: after the final norm
+        logits = self.lm_head(h)
         if self.spec.final_softcap:
             logits = torch.tanh(logits / self.spec.final_softcap) * self.spec.final_softcap
+        if self.hidden_layers:
+            return (logits, torch.cat([hidden[i] for i in self.hidden_layers], dim=-1), *present)
         return (logits, *present)

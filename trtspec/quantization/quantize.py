@@ -358,7 +358,7 @@ def _save(model, path: Path, model_section: dict) -> int:
     import onnx
     import onnx_ir as ir
 
-    from ..exporter.contract import check_step_graph
+    from ..exporter.contract import check_step_graph, contract_options
     from ..exporter.step_graph import EXTERNAL_DATA_BYTES
     from .rules import qdq_violations
 
@@ -366,7 +366,7 @@ def _save(model, path: Path, model_section: dict) -> int:
     ir.save(model, path, external_data=f"{path.name}.data" if external else None)
     onnx.checker.check_model(str(path), full_check=True)
     proto = onnx.load(str(path), load_external_data=False)
-    check_step_graph(proto, model_section["num_layers"])
+    check_step_graph(proto, model_section["num_layers"], **contract_options(model_section))
     problems = qdq_violations(proto, path.parent)
     assert not problems, "quantization produced a graph TensorRT would refuse:\n" + "\n".join(problems)
     total = 0
