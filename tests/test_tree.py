@@ -151,3 +151,101 @@ def test_tree_calls_are_checked(tree_engine, exported):
     manifest = json.loads((exported("llama-gqa-rope3", **TREE) / "manifest.json").read_text())["model"]
     assert manifest["inputs"][:3] == ["input_ids", "position_ids", "tree_mask"]
     assert manifest["outputs"][:2] == ["logits", "hidden_states"]
+
+
+# -- tree speculation through the scheduler ---------------------------------------------------------------------
+
+from conftest import WrappedEngine  # noqa: E402
+from trtspec import Generator  # noqa: E402
+
+PROMPTS = ["def add(a, b):", "The quick brown fox jumps over the lazy dog. The quick", "import os"]
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("width,nodes", [(2, None), (4, 9)])
+def test_greedy_tree_speculation_equals_target_greedy_and_compacts(batch, width, nodes, tree_engine, perturbed_export):
+    target = tree_engine("llama-gqa-rope3")
+    kept = []
+    wrapped = WrappedEngine(target, lambda *a: None)
+    wrapped.keep_path = lambda row, start, path: (kept.append(list(path)), target.keep_path(row, start, path))
+    reference = [r.token_ids for r in Generator(target).generate(PROMPTS[:batch], max_new_tokens=40)]
+    draft = load_engine(perturbed_export("llama-gqa-rope3", 0.3))
+    gen = Generator(wrapped, draft, num_draft_tokens=4, k_policy="fixed", tree_width=width, tree_nodes=nodes)
+    out = gen.generate(PROMPTS[:batch], max_new_tokens=40)
+    assert [r.token_ids for r in out] == reference
+    shapes = gen.scheduler.stats().tree_shapes
+    assert sum(shapes.values()) > 0 and set(shapes) <= {f"{k}x{width}" for k in range(1, 5)}
+    assert kept, "no sibling was ever accepted: the compaction path went untested"
+    chain = Generator(target, draft, num_draft_tokens=4, k_policy="fixed").generate(PROMPTS[:batch], max_new_tokens=40)
+    assert out.stats.mean_tokens_per_target_call >= chain.stats.mean_tokens_per_target_call
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "gpt2"])
+def test_greedy_tree_speculation_is_exact_on_every_family(arch, exported, perturbed_export):
+    target = load_engine(exported(arch, tree=True, ring_cache=False))
+    reference = [r.token_ids for r in Generator(target).generate(PROMPTS, max_new_tokens=24)]
+    draft = load_engine(perturbed_export(arch, 0.3))
+    out = Generator(target, draft, num_draft_tokens=3, k_policy="fixed", tree_width=3).generate(PROMPTS, max_new_tokens=24)
+    assert [r.token_ids for r in out] == reference
+
+
+def test_coupled_tree_sampling_is_the_target_only_sample(tree_engine, perturbed_export):
+    target = tree_engine("llama-gqa-rope3")
+    params = dict(max_new_tokens=30, temperature=0.9, top_p=0.95, seed=11)
+    reference = [r.token_ids for r in Generator(target).generate(PROMPTS, **params)]
+    draft = load_engine(perturbed_export("llama-gqa-rope3", 0.3))
+    out = Generator(target, draft, num_draft_tokens=3, k_policy="fixed", tree_width=3).generate(PROMPTS, **params)
+    assert [r.token_ids for r in out] == reference
+    assert 0 < out.stats.accepted < out.stats.proposed
+
+
+def test_tree_options_are_checked(tree_engine, exported):
+    plain = load_engine(exported("llama-gqa-rope3"))
+    with pytest.raises(ValueError, match="--tree"):
+        Generator(plain, plain, tree_width=3)
+    tree = tree_engine("llama-gqa-rope3")
+    with pytest.raises(ValueError, match="tree_width must be"):
+        Generator(tree, tree, tree_width=0)
+    with pytest.raises(ValueError, match="draft-model drafter"):
+        Generator(tree, drafter="prompt_lookup", tree_width=2)
+
+
+@pytest.fixture(scope="module", params=["coupled", "rejection"])
+def tree_sampling(request, exported, perturbed_export, model_dir):
+    from test_speculative import _exact_joint
+
+    from trtspec.runtime import SamplingParams
+
+    options = {"max_seq_len": 16, "max_batch": 64}
+    target = load_engine(exported("llama-gqa-rope3", tree=True, **options))
+    draft = load_engine(perturbed_export("llama-gqa-rope3", 0.5, **options))
+    gen = Generator(target, draft, num_draft_tokens=2, k_policy="fixed", sampling=request.param, tree_width=3)
+    params = SamplingParams(temperature=1.5, top_k=4)
+    joint = _exact_joint(model_dir("llama-gqa-rope3"), gen.tokenizer("def")["input_ids"], params, depth=3)
+    return gen, params, joint
+
+
+def test_tree_sampling_follows_the_target_distribution(tree_sampling, monkeypatch):
+    from test_speculative import ALPHA, _chi_square_p_value, _sample_sequences
+
+    gen, params, joint = tree_sampling
+    counts, _ = _sample_sequences(gen, "def", params, 20_480, seed=0)
+    assert sum(counts.values()) == 20_480
+    assert _chi_square_p_value(counts, joint) > ALPHA
+    stats = gen.scheduler.stats()  # trees were verified, with both outcomes
+    assert sum(stats.tree_shapes.values()) > 0 and 0.02 < stats.accepted / stats.proposed < 0.98
+    if gen.scheduler.sampling == "rejection":
+        # the same test catches a wrong rule: after a rejected child, keep drawing from p (not p without it)
+        from trtspec.runtime import speculative
+
+        real = speculative.RowSampler.verify_tree
+
+        def wrong(self, drafts, parents, logits, position):
+            path, token = real(self, drafts, parents, logits, position)
+            if path or self.rng.random() < 0.5:
+                return path, token
+            return path, int(np.argmax(self.params.probs(logits[0])))  # biased towards the mode
+
+        monkeypatch.setattr(speculative.RowSampler, "verify_tree", wrong)
+        counts, _ = _sample_sequences(gen, "def", params, 20_480, seed=0)
+        assert _chi_square_p_value(counts, joint) < ALPHA

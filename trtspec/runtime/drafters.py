@@ -17,6 +17,7 @@ from typing import Protocol
 import numpy as np
 
 from ..engines.base import SavedPrefix, greedy_steps
+from .tree import branching_tree, pack_trees
 
 
 @dataclass
@@ -28,6 +29,10 @@ class Proposal:
     counts: np.ndarray  # [B] int64: how many of each row's drafts are real proposals (<= its cap)
     probs: np.ndarray | None = None  # [B, K, V]: the draft distributions of rows that sample by rejection
     calls: list[tuple[int, int, float]] = field(default_factory=list)
+    # a token tree instead of chains: parents[r, j] is the index of drafts[r, j]'s parent among the row's drafts,
+    # -1 for the row's last token (parents before children); verified in one tree call (runtime/tree.py)
+    parents: np.ndarray | None = None
+    shape: str | None = None  # the tree's shape as reported in the stats, e.g. "4x3"
 
     @classmethod
     def empty(cls, b: int) -> Proposal:
@@ -88,15 +93,22 @@ class NoDrafter:
 
 
 class DraftModelDrafter:
-    """Chain drafting with a small model over its own engine and KV cache."""
+    """Chain drafting with a small model over its own engine and KV cache.
+
+    ``tree_width`` > 1 makes each round's chain a tree (runtime/tree.branching_tree): beside the chain token at
+    each depth, the draft's next tree_width - 1 likeliest tokens, up to ``tree_nodes`` nodes in all; the draft
+    makes the same calls as for the chain, the target verifies the tree in one call (a --tree export)."""
 
     name = "draft"
 
-    def __init__(self, engine, pad_id: int):
+    def __init__(self, engine, pad_id: int, *, tree_width: int = 1, tree_nodes: int | None = None):
         self.engine = engine
         self.pad_id = pad_id
         self.cached = np.zeros(engine.max_batch, np.int64)  # tokens of each row in the draft's cache
         self.max_call = engine.max_call_tokens
+        self.tree_width = tree_width
+        self.tree_nodes = tree_nodes
+        self._chains = None  # a tree round's (tokens view, n, chains, chain lengths), for accepted()
 
     def admit(self, row, prefix, n):
         if n:
@@ -119,7 +131,8 @@ class DraftModelDrafter:
         # First one call catches every row up with the tokens its cache lacks (the last one or two, more after
         # rounds without drafting); then k - 1 one-token calls extend the drafts.
         b = n.size
-        if b == 1 and samplers[0].plain and samplers[0].mode == "greedy":
+        tree = self.tree_width > 1
+        if b == 1 and samplers[0].plain and samplers[0].mode == "greedy" and not tree:
             return self._greedy_chain(tokens[0], int(n[0]), int(caps[0]))
         cached = self.cached[:b]
         # pads sit beyond each row's cached tokens, where the mask hides them and later writes overwrite them
@@ -142,13 +155,19 @@ class DraftModelDrafter:
         if k == 0:
             return Proposal(drafts, counts, None, calls)
         probs = None
-        if any(samplers[r].mode == "rejection" for r in range(b) if counts[r]):
+        if not tree and any(samplers[r].mode == "rejection" for r in range(b) if counts[r]):
             probs = np.zeros((b, k, logits.shape[-1]))
+        branches = [([], [], []) for _ in range(b)] if tree else None  # per row: chain logprobs, siblings
         last = logits[np.arange(b), np.maximum(fed - 1, 0)]  # [B, V]
         # a row not extending its drafts writes a pad at its first free slot (harmless, overwritten later)
         free = np.where(counts > 0, n + counts - 1, cached)
         for j in range(k):
             for r in np.flatnonzero(counts > j):
+                if tree:
+                    drafts[r, j], lp, others = samplers[r].propose_branches(last[r], int(n[r]) + j, self.tree_width)
+                    branches[r][0].append(lp)
+                    branches[r][1].append(others)
+                    continue
                 drafts[r, j], q = samplers[r].propose(last[r], int(n[r]) + j)
                 if q is not None:
                     probs[r, j] = q
@@ -161,7 +180,18 @@ class DraftModelDrafter:
                 calls.append((b, 1, time.perf_counter() - t0))
         drafting = counts > 0
         cached[drafting] = n[drafting] + counts[drafting] - 1  # the catch-up tokens and drafts[:, :k-1]
+        if tree:
+            return self._tree(tokens, n, drafts, counts, branches, calls)
         return Proposal(drafts, counts, probs, calls)
+
+    def _tree(self, tokens, n, chains, lengths, branches, calls):
+        # chains [B, k] drafted with siblings -> a tree Proposal of at most tree_nodes nodes per row
+        budget = self.tree_nodes or chains.shape[1] * self.tree_width
+        trees = [branching_tree(chains[r, : lengths[r]].tolist(), branches[r][0], branches[r][1], budget)
+                 if lengths[r] else ([], []) for r in range(n.size)]
+        drafts, parents, counts = pack_trees(trees, budget)
+        self._chains = (tokens, n.copy(), chains, lengths.copy())
+        return Proposal(drafts, counts, None, calls, parents, f"{chains.shape[1]}x{self.tree_width}")
 
     def _greedy_chain(self, row_tokens, n, k):
         # one greedy row: the same calls as the batch path (catch-up, then k - 1 one-token calls), without its
@@ -184,6 +214,15 @@ class DraftModelDrafter:
         # valid [B]: tokens now known to be right in each row; later draft entries are stale
         b = valid.size
         np.minimum(self.cached[:b], valid, out=self.cached[:b])
+        if self._chains is not None:  # a tree round: the cache holds the chain, which a sibling may have beaten
+            tokens, n, chains, lengths = self._chains
+            self._chains = None
+            for r in range(b):
+                k = int(lengths[r])
+                if k:
+                    agree = chains[r, :k] == tokens[r, n[r] : n[r] + k]
+                    kept = k if agree.all() else int(np.argmin(agree))
+                    self.cached[r] = min(self.cached[r], n[r] + kept)
 
     def move_row(self, src, dst):
         self.engine.move_row(src, dst, int(self.cached[src]))

@@ -122,6 +122,7 @@ class SchedulerStats(EngineWork):
     proposed: int = 0
     accepted: int = 0
     k_histogram: dict[int, int] = field(default_factory=dict)  # rounds that chose k
+    tree_shapes: dict[str, int] = field(default_factory=dict)  # rounds that verified a tree, by shape ("4x3")
 
 
 @dataclass

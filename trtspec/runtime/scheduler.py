@@ -37,7 +37,7 @@ from collections import deque
 import numpy as np
 
 from ..engines import load_engine
-from ..engines.base import greedy_steps, lease
+from ..engines.base import greedy_steps, lease, tree_positions
 from .adaptive import LoadAwareK
 from .drafters import Drafter, DraftModelDrafter, NoDrafter, PromptLookupDrafter, Proposal
 from .grammar import GrammarCompiler
@@ -98,6 +98,8 @@ class Scheduler:
         sampling: str = "coupled",
         aging_s: float = 10.0,
         num_threads: int | None = None,
+        tree_width: int = 1,
+        tree_nodes: int | None = None,
     ):
         self.target = _as_engine(target, num_threads)
         self.tokenizer = load_tokenizer(self.target)
@@ -142,8 +144,9 @@ class Scheduler:
             raise ValueError(f"max_batch must be an integer in [1, {engine_batch}] (the engines' rows), got {max_batch!r}")
         self.max_batch = max_batch
         self.drafter: Drafter
+        self.tree_width, self.tree_nodes = self._check_tree(tree_width, tree_nodes, drafter)
         if drafter == "draft":
-            self.drafter = DraftModelDrafter(self.draft, self.pad_id)
+            self.drafter = DraftModelDrafter(self.draft, self.pad_id, tree_width=self.tree_width, tree_nodes=tree_nodes)
         elif drafter == "prompt_lookup":
             self.drafter = PromptLookupDrafter(max_batch)
         else:
@@ -181,6 +184,20 @@ class Scheduler:
         # whole loop (the same tokens and statistics; tests and benchmarks compare the two)
         self.lone_row_loops = True
         self._grammars: GrammarCompiler | None = None
+
+    def _check_tree(self, width, nodes, drafter):
+        """tree_width / tree_nodes checked against the drafter and the target (a tree needs a --tree export)."""
+        if not isinstance(width, int) or isinstance(width, bool) or width < 1:
+            raise ValueError(f"tree_width must be an integer >= 1 (1: chains), got {width!r}")
+        if nodes is not None and (not isinstance(nodes, int) or isinstance(nodes, bool) or nodes < 1):
+            raise ValueError(f"tree_nodes must be an integer >= 1 (or None: depth x width), got {nodes!r}")
+        if width > 1 or nodes is not None:
+            if drafter != "draft":
+                raise ValueError(f"tree_width/tree_nodes apply to the draft-model drafter, not {drafter!r}")
+            if not getattr(self.target, "tree_verify", False):
+                raise ValueError(f"the target {self.target.path} cannot verify token trees: re-export it with "
+                                 "--tree (trtspec export), or use tree_width=1 (chains)")
+        return width, nodes
 
     def _check_k(self, k, allow_any=False):
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
@@ -577,6 +594,8 @@ class Scheduler:
                 self._prefill_round()
             shift = time.perf_counter() - t1  # counted as prefill: the round's own timings leave it out
             t0, t1 = t0 + shift, t1 + shift
+        if proposal.parents is not None:
+            return self._verify_tree(rows, proposal, forced, k, t0, t1)
         drafts, counts = proposal.drafts, proposal.counts
         width = int(counts.max()) + 1
         if b == 1:
@@ -621,6 +640,62 @@ class Scheduler:
         if learn:
             self._learn_round(b, k, proposal, stats.generated_tokens - emitted, time.perf_counter() - t0)
 
+    def _verify_tree(self, rows, proposal, forced, k, t0, t1):
+        """The rest of a round whose drafts form trees: ONE target call over [last token, nodes...] per row with
+        the tree mask, each row's sampler walks its tree, the accepted path's K/V move into place (keep_path)."""
+        b = len(rows)
+        n, tc, stats, policy = self._n[:b], self._tc[:b], self._stats, self.policy
+        # every row writes the call's width of slots from n - 1: the tree is cut to the room in the cache
+        room = int((self.capacity - n).min())
+        counts = np.minimum(proposal.counts, min(room, self.max_call - 1))
+        drafts, parents = proposal.drafts, proposal.parents
+        width = int(counts.max()) + 1
+        real = np.arange(width - 1) < counts[:, None]
+        ids = np.full((b, width), self.pad_id, np.int64)
+        ids[:, 0] = self._tokens[np.arange(b), n - 1]
+        ids[:, 1:] = np.where(real, drafts[:, : width - 1], self.pad_id)
+        call_parents = np.zeros((b, width), np.int64)  # pads hang off the root, seen by nobody else
+        call_parents[:, 0] = -1
+        call_parents[:, 1:] = np.where(real, parents[:, : width - 1] + 1, 0)
+        mask, depth = tree_positions(call_parents)
+        logits = self.target.forward(ids, (n - 1)[:, None] + depth, tree_mask=mask)
+        t2 = time.perf_counter()
+        stats.rounds += 1
+        stats.target_calls += 1
+        stats.draft_calls += len(proposal.calls)
+        stats.verify_s += t2 - t1
+        stats.draft_s += t1 - t0
+        stats.tree_shapes[proposal.shape] = stats.tree_shapes.get(proposal.shape, 0) + 1
+        learn = policy is not None and not forced
+        if learn:
+            self._learn_calls(b, width, t2 - t1, proposal, (t1 - t0) / max(k, 1))
+        valid = n.copy()
+        emitted = stats.generated_tokens
+        for s, r in enumerate(rows):
+            r.stats.target_calls += 1
+            m = int(counts[s])
+            path, x = r.sampler.verify_tree(drafts[s, :m], parents[s, :m], logits[s, : m + 1], int(n[s]))
+            a = len(path)
+            deepest = int(depth[s, : m + 1].max())  # the most this tree could have given
+            r.stats.rounds += 1
+            if forced and s in forced:
+                r.stats.forced_tokens += a
+            else:
+                r.stats.record_accept(a, deepest)
+                if deepest and policy is not None:
+                    policy.record_acceptance(deepest, a)
+                stats.proposed += deepest
+                stats.accepted += a
+            n_before = int(n[s])
+            if path != list(range(a)):  # the accepted nodes' K/V to the slots their positions give
+                self.target.keep_path(s, n_before - 1, [0, *[j + 1 for j in path]])
+            self._emit(s, r, [*drafts[s, path].tolist(), x])
+            valid[s] = min(n_before + a, int(n[s]))
+            tc[s] = valid[s]
+        self.drafter.accepted(valid)
+        if learn:
+            self._learn_round(b, k, proposal, stats.generated_tokens - emitted, time.perf_counter() - t0)
+
     def _forced(self, rows, caps):
         """{row: the tokens its grammar forces next} (jump-forward: verified without asking the draft, whose cap for
         the row becomes 0), or None when no row has a grammar."""
@@ -645,10 +720,11 @@ class Scheduler:
     def _constrain(self, rows, proposal, forced):
         """Grammar rows: forced rows verify their forced tokens; the others' drafts are cut at the first token the
         grammar forbids (a draft model proposes under the grammar already; prompt lookup does not)."""
+        tree = proposal.parents is not None
         for s, r in enumerate(rows):
             proc = r.sampler.processor
-            if s in forced or proc is None or proc.constraint is None or not proposal.counts[s]:
-                continue
+            if s in forced or proc is None or proc.constraint is None or not proposal.counts[s] or tree:
+                continue  # (a tree's forbidden nodes are never accepted: the walk sees the processed logits)
             proc.rollback()  # the drafter's pushed proposals: check from the committed state
             proposal.counts[s] = proc.allowed_prefix(proposal.drafts[s, : proposal.counts[s]])
         if not forced:
@@ -658,9 +734,15 @@ class Scheduler:
             drafts = np.zeros((len(rows), width), np.int64)
             drafts[:, : proposal.drafts.shape[1]] = proposal.drafts
             proposal.drafts = drafts
+            if tree:
+                parents = np.full((len(rows), width), -1, np.int64)
+                parents[:, : proposal.parents.shape[1]] = proposal.parents
+                proposal.parents = parents
         for s, tokens in forced.items():
             proposal.drafts[s, : len(tokens)] = tokens
             proposal.counts[s] = len(tokens)
+            if tree:  # a forced row's tokens verify as a chain
+                proposal.parents[s, : len(tokens)] = np.arange(len(tokens)) - 1
 
     def _learn_calls(self, b, width, verify_s, proposal, per_draft_token_s):
         """Tell the load-aware policy what a round's calls cost (before its acceptance is known): the draft

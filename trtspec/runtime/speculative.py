@@ -130,6 +130,26 @@ class RowSampler:
             self.processor.push(token)  # the next position is processed after it
         return token, q
 
+    def propose_branches(self, logits: np.ndarray, position: int, width: int) -> tuple[int, float, list]:
+        """A draft token for ``position`` (as ``propose`` picks it) with its log-probability under the draft, and
+        the ``width - 1`` likeliest other tokens with theirs: the siblings a draft tree adds beside it."""
+        x = self._process(logits)
+        if self.mode == "greedy":
+            lp = log_probs(self.params, x)
+            token = int(lp.argmax())
+        else:
+            with np.errstate(divide="ignore"):
+                lp = np.log(self.params.probs(x))
+            token = sample(np.exp(lp), self.rng) if self.mode == "rejection" else self._pick(x, position)
+        others = []
+        if width > 1:
+            top = np.argpartition(-lp, width)[: width + 1] if width + 1 < lp.size else np.arange(lp.size)
+            top = top[np.argsort(-lp[top], kind="stable")]
+            others = [(int(t), float(lp[t])) for t in top if t != token and np.isfinite(lp[t])][: width - 1]
+        if self.processor is not None:
+            self.processor.push(token)
+        return token, float(lp[token]), others
+
     def verify(self, drafts: np.ndarray, draft_probs, target_logits: np.ndarray, position: int) -> tuple[int, int]:
         """How many drafts the target accepts, and its own token after them (DESIGN.md §4)."""
         # drafts [m], draft_probs [m, V] or None, target_logits [m + 1, V]; drafts[0] is at ``position``
@@ -171,6 +191,57 @@ class RowSampler:
         if proc is not None:
             proc.rollback()
         return a, token
+
+
+    def verify_tree(self, drafts: np.ndarray, parents: np.ndarray, target_logits: np.ndarray,
+                    position: int) -> tuple[list[int], int]:
+        """The longest path of a draft tree the target accepts, and its own token after it.
+
+        ``drafts[j]`` hangs below ``parents[j]`` (-1: the root, the row's last token; parents come first);
+        ``target_logits[0]`` is the root's, ``target_logits[j + 1]`` node j's. The walk starts at the root and
+        at each node takes the target's own choice: greedy and coupled rows choose exactly as without drafts
+        (argmax, or the Gumbel-max sample at that position) and descend to the child holding that token; a
+        rejection-sampling row tries the children in order, accepting child c with probability
+        p'(c) / sum(p'), where p' is p with the children already tried zeroed, and otherwise draws from p'
+        (SpecInfer's recursive rejection with deterministic candidates: the emitted token is distributed
+        exactly as p). Returns (accepted node indices from the root down, the next token).
+        """
+        # drafts [m], parents [m], target_logits [m + 1, V]; the root's child is at ``position``
+        children: dict[int, list[int]] = {}
+        for j, par in enumerate(parents.tolist()):
+            children.setdefault(par, []).append(j)
+        proc = self.processor
+        if proc is not None:
+            proc.rollback()  # the drafter pushed its own proposals
+        path, node = [], -1
+        while True:
+            x = self._process(target_logits[node + 1])
+            kids = children.get(node, ())
+            if self.mode == "rejection":
+                p = self.params.probs(x)
+                residual, token, nxt = p.copy(), None, None
+                for kid in kids:
+                    t = int(drafts[kid])
+                    mass = residual.sum()
+                    if mass > 0 and self.rng.random() * mass < residual[t]:
+                        token, nxt = t, kid
+                        break
+                    residual[t] = 0.0
+                if token is None:  # (all of p on tried children has probability 0 of every one rejected)
+                    token = sample(residual if residual.sum() > 0 else p, self.rng)
+            else:
+                token = self._pick(x, position + len(path))
+                nxt = next((kid for kid in kids if drafts[kid] == token), None)
+            self._record(x, token)
+            if nxt is None:
+                break
+            path.append(nxt)
+            node = nxt
+            if proc is not None:
+                proc.push(token)
+        if proc is not None:
+            proc.rollback()
+        return path, token
 
 
 class _ProcessedRows:
