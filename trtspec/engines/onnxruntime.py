@@ -83,6 +83,7 @@ class _Binding:
         self.tree = None  # the bound tree_mask (graphs with one), and whether it holds the causal (chain) mask
         self.causal = False
         self.features = None  # the bound hidden_states output (graphs with one)
+        self.extra = {}  # a draft head's bound extra inputs
 
 
 class _Graph:
@@ -129,6 +130,8 @@ class OnnxRuntimeEngine:
         self._decode = _Graph(self.path / decode, self._options) if decode else None
         self._full = None if self._decode else _Graph(self.path / manifest["graph"], self._options)
         self._logits_dtype = self.dtype
+        self.logits_size = model.get("logits_size", self.vocab_size)  # a draft head's own vocabulary
+        self.extra_inputs = dict(model.get("extra_inputs") or {})  # name -> last dim: a head's float inputs [B, T, n]
         self.tree_verify = bool(model.get("tree_verify"))
         self.features_size = (model.get("hidden_states") or {}).get("size")
         self.features = None  # the last call's hidden_states output [B, T, features_size] (graphs exported with it)
@@ -154,7 +157,7 @@ class OnnxRuntimeEngine:
 
     def _binding(self, g: _Graph, b: int, t: int) -> _Binding:
         """The binding for a call of B rows x T tokens, its inputs and logits bound."""
-        if b * t * self.vocab_size * self._logits.itemsize > g.SMALL_LOGITS_BYTES:
+        if b * t * self.logits_size * self._logits.itemsize > g.SMALL_LOGITS_BYTES:
             bd = g.other
             if (b, t) != bd.shape or bd.logits.base is not self._logits:
                 self._bind_io(g, bd, b, t, shared=True)
@@ -180,9 +183,10 @@ class OnnxRuntimeEngine:
             bd.io.bind_output(present, "cpu", 0, self.dtype, shape, ptr)
         bd.rows = rows
 
-    def forward(self, input_ids, position_ids, first_row: int = 0, tree_mask=None):
+    def forward(self, input_ids, position_ids, first_row: int = 0, tree_mask=None, inputs=None):
         # input_ids [B, T] int64, position_ids [B, T] int64 -> logits [B, T, V]; cache rows [first_row, first_row + B)
         # tree_mask [B, T, T] bool: a tree call (engines exported with tree verification; contract.py).
+        # inputs: {name: [B, T, n] float} for a draft head's extra inputs (zeros where one is not given).
         # The returned array is a reused buffer: valid until the next call of the same shape.
         tree = tree_mask is not None
         if tree and not self.tree_verify:
@@ -202,6 +206,12 @@ class OnnxRuntimeEngine:
                 self._bind_cache(bd, (first_row, b))
             np.copyto(bd.ids, input_ids)
             np.copyto(bd.pos, position_ids)
+            for name, buf in bd.extra.items():
+                value = None if inputs is None else inputs.get(name)
+                if value is None:
+                    buf.fill(0)
+                else:
+                    np.copyto(buf, value)
             if tree:
                 np.copyto(bd.tree, tree_mask)
                 bd.causal = False
@@ -253,18 +263,22 @@ class OnnxRuntimeEngine:
     def _bind_io(self, g: _Graph, bd: _Binding, b: int, t: int, shared: bool):
         # input_ids/position_ids/logits live in buffers of ours; a shared binding's logits are a view of the
         # engine's one large buffer (grown to the largest call seen), a small shape's are its own
-        n = b * t * self.vocab_size
+        n = b * t * self.logits_size
         if shared:
             if self._logits.size < n:
                 self._logits = np.empty(n, dtype=self._logits_dtype)
-            bd.logits = self._logits[:n].reshape(b, t, self.vocab_size)
+            bd.logits = self._logits[:n].reshape(b, t, self.logits_size)
         else:
-            bd.logits = np.empty((b, t, self.vocab_size), dtype=self._logits_dtype)
+            bd.logits = np.empty((b, t, self.logits_size), dtype=self._logits_dtype)
         bd.ids = np.empty((b, t), np.int64)
         bd.pos = np.empty((b, t), np.int64)
         bd.io.bind_input("input_ids", "cpu", 0, np.int64, [b, t], bd.ids.ctypes.data)
         bd.io.bind_input("position_ids", "cpu", 0, np.int64, [b, t], bd.pos.ctypes.data)
-        bd.io.bind_output("logits", "cpu", 0, self._logits_dtype, [b, t, self.vocab_size], bd.logits.ctypes.data)
+        bd.io.bind_output("logits", "cpu", 0, self._logits_dtype, [b, t, self.logits_size], bd.logits.ctypes.data)
+        bd.extra = {}
+        for name, size in self.extra_inputs.items():
+            bd.extra[name] = np.zeros((b, t, size), dtype=self.dtype)
+            bd.io.bind_input(name, "cpu", 0, self.dtype, [b, t, size], bd.extra[name].ctypes.data)
         if g.tree:
             bd.tree = np.tril(np.ones((b, t, t), bool))
             bd.causal = True

@@ -72,11 +72,15 @@ def contract_options(model: dict) -> dict:
 def parse_hidden_states(value, num_layers: int) -> list[int]:
     """``hidden_states`` as given to export ("low,mid,high", "last", or layer indices) -> HF hidden_states indices.
 
-    low/mid/high are the layers EAGLE-3 reads (2, L // 2, L - 3, as its authors' code picks them; clamped into a
-    small model's [0, L - 1]); "last" is index L, the final-normed state Medusa heads read."""
+    low/mid/high are the layers EAGLE-3 reads (2, L // 2, L - 3, as its authors' code picks them; for models too
+    shallow for three distinct ones, L // 6, L // 2, L - 1); "last" is index L, the final-normed state Medusa
+    heads read."""
     if value is None or value == "" or value == []:
         return []
-    names = {"low": min(2, num_layers - 1), "mid": num_layers // 2, "high": max(num_layers - 3, 0), "last": num_layers}
+    low, mid, high = 2, num_layers // 2, num_layers - 3
+    if not 0 <= low < mid < high:  # a shallow model: spread them instead (6 layers: 1, 3, 5)
+        low, mid, high = min(max(1, num_layers // 6), num_layers), num_layers // 2, max(num_layers - 1, 0)
+    names = {"low": low, "mid": mid, "high": high, "last": num_layers}
     items = value.split(",") if isinstance(value, str) else list(value)
     layers = []
     for item in items:

@@ -58,7 +58,8 @@ from .speculative import SPECULATIVE_SAMPLING, RowSampler
 from .tokenizer import encode_prompt, load_tokenizer
 from .vocab import check_same_vocabulary
 
-DRAFTERS = ("draft", "prompt_lookup", "none")
+DRAFTERS = ("draft", "eagle3", "prompt_lookup", "none")
+HEADS = ("eagle3",)  # drafters whose draft is a head on the target's features (draft=PATH of an exported head)
 K_POLICIES = ("load-aware", "fixed")
 
 
@@ -110,7 +111,9 @@ class Scheduler:
             raise ValueError(f"unknown drafter {drafter!r}; choose one of {', '.join(DRAFTERS)}")
         if drafter == "draft" and draft is None:
             raise ValueError("drafter 'draft' needs a draft model: pass draft=PATH (or choose prompt_lookup/none)")
-        if drafter != "draft" and draft is not None:
+        if drafter in HEADS and draft is None:
+            raise ValueError(f"drafter {drafter!r} needs its head: pass draft=PATH of the exported head (trtspec export-head)")
+        if drafter not in ("draft", *HEADS) and draft is not None:
             raise ValueError(f"a draft model was given but drafter is {drafter!r}; drop one of them")
         if k_policy not in K_POLICIES:
             raise ValueError(f"unknown k_policy {k_policy!r}; choose one of {', '.join(K_POLICIES)}")
@@ -129,7 +132,7 @@ class Scheduler:
         self.pad_id = special["pad_token_id"] if special["pad_token_id"] is not None else 0
         self.draft = None
         engines = [self.target]
-        if drafter == "draft":
+        if drafter in ("draft", *HEADS):
             self.draft = _as_engine(draft, num_threads)
             check_same_vocabulary(self.target, self.draft)
             engines.append(self.draft)
@@ -147,11 +150,17 @@ class Scheduler:
         self.tree_width, self.tree_nodes = self._check_tree(tree_width, tree_nodes, drafter)
         if drafter == "draft":
             self.drafter = DraftModelDrafter(self.draft, self.pad_id, tree_width=self.tree_width, tree_nodes=tree_nodes)
+        elif drafter == "eagle3":
+            from ..heads.drafter import Eagle3Drafter
+
+            self.drafter = Eagle3Drafter(self.draft, self.target, self.pad_id, tree_width=self.tree_width,
+                                         tree_nodes=tree_nodes)
         elif drafter == "prompt_lookup":
             self.drafter = PromptLookupDrafter(max_batch)
         else:
             self.drafter = NoDrafter()
         self.drafter_name = drafter
+        self._observe = getattr(self.drafter, "observe", None)  # drafters that read the target's features
         # the k values the engines can verify in one call (TensorRT engines have fixed profiles)
         sizes = getattr(self.target, "verify_tokens", None)
         self.allowed_k = [k for k in range(1, min(self.capacity, self.max_call)) if sizes is None or k + 1 in sizes]
@@ -192,8 +201,8 @@ class Scheduler:
         if nodes is not None and (not isinstance(nodes, int) or isinstance(nodes, bool) or nodes < 1):
             raise ValueError(f"tree_nodes must be an integer >= 1 (or None: depth x width), got {nodes!r}")
         if width > 1 or nodes is not None:
-            if drafter != "draft":
-                raise ValueError(f"tree_width/tree_nodes apply to the draft-model drafter, not {drafter!r}")
+            if drafter not in ("draft", *HEADS):
+                raise ValueError(f"tree_width/tree_nodes apply to the draft-model and head drafters, not {drafter!r}")
             if not getattr(self.target, "tree_verify", False):
                 raise ValueError(f"the target {self.target.path} cannot verify token trees: re-export it with "
                                  "--tree (trtspec export), or use tree_width=1 (chains)")
@@ -617,6 +626,7 @@ class Scheduler:
             self._learn_calls(b, width, t2 - t1, proposal, (t1 - t0) / max(drafts.shape[1], 1))
 
         valid = n.copy()
+        n_before_all = n.copy()
         emitted = stats.generated_tokens
         for s, r in enumerate(rows):
             r.stats.target_calls += 1
@@ -636,6 +646,9 @@ class Scheduler:
             self._emit(s, r, [*drafts[s, :a].tolist(), x])
             valid[s] = min(n_before + a, int(n[s]))  # the cache holds the verified tokens, not the last one
             tc[s] = valid[s]
+        if self._observe is not None:  # the features of the root and the accepted drafts
+            features = self.target.features
+            self._observe(0, n_before_all - 1, [features[s, : valid[s] - n_before_all[s] + 1] for s in range(b)])
         self.drafter.accepted(valid)
         if learn:
             self._learn_round(b, k, proposal, stats.generated_tokens - emitted, time.perf_counter() - t0)
@@ -670,6 +683,9 @@ class Scheduler:
         if learn:
             self._learn_calls(b, width, t2 - t1, proposal, (t1 - t0) / max(k, 1))
         valid = n.copy()
+        n_before_all = n.copy()
+        features = self.target.features if self._observe is not None else None
+        observed = []
         emitted = stats.generated_tokens
         for s, r in enumerate(rows):
             r.stats.target_calls += 1
@@ -692,6 +708,10 @@ class Scheduler:
             self._emit(s, r, [*drafts[s, path].tolist(), x])
             valid[s] = min(n_before + a, int(n[s]))
             tc[s] = valid[s]
+            if features is not None:
+                observed.append(features[s, [0, *[j + 1 for j in path]][: valid[s] - n_before + 1]])
+        if features is not None:
+            self._observe(0, n_before_all - 1, observed)
         self.drafter.accepted(valid)
         if learn:
             self._learn_round(b, k, proposal, stats.generated_tokens - emitted, time.perf_counter() - t0)
@@ -834,8 +854,11 @@ class Scheduler:
             r.stats.time_to_first_token_s = r.last_emit - r.submitted
         # the draft reads the same chunks after the first tokens went out: they need only the target
         self.drafter.prefill(ids, pos, first, chunk)
-        if self.draft is not None:
+        if self.drafter_name == "draft":
             self._stats.draft_calls += 1
+        if self._observe is not None:  # a head drafter: the target's features of the chunk's tokens
+            features = self.target.features
+            self._observe(first, pos[:, 0], [features[i, : chunk[i]] for i in range(p)])
         for i in range(completed):
             s, r = first + i, self._rows[first + i]
             if r.shared_prefix is not None:  # the other samples of this prompt start from its slots

@@ -1,0 +1,231 @@
+"""Training draft heads against a target: `trtspec distill --method eagle3` (and medusa).
+
+The data handling is distill's (text files, the held-out rule, packed windows); each step runs the target on a
+batch of windows (its hidden states and next-token distributions, no gradients) and trains the head on them.
+Resumable from ``OUT/.distill/checkpoint.pt``; ends with a report (``OUT/distill_report.json``): the loss curve,
+the head's held-out agreement with the target per drafted position, and the acceptance measured through trtspec
+engines (speculative decoding with the head, greedy).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ..distill import (REPORT, WORK, DistillError, _check_out_dir, collect_files, encode_files, heldout_key,
+                       heldout_prompts)
+from ..training import TrainConfig, TrainLoop, random_windows
+
+EAGLE3_STEP_WEIGHT = 0.8  # the loss of drafted position j weighs 0.8^j (EAGLE-3's choice)
+
+
+def _data(target: Path, data, heldout, pattern: str, seq: int, say):
+    from transformers import AutoConfig, AutoTokenizer
+
+    from ..exporter.architectures import arch_spec
+
+    if not (target / "config.json").is_file():
+        raise DistillError(f"{target} has no config.json; pass the target's Hugging Face model directory")
+    spec = arch_spec(AutoConfig.from_pretrained(target))
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    files = collect_files(data, pattern)
+    if heldout is not None:
+        held_files = [p for p, _ in collect_files(heldout, pattern)]
+        held_set = {p.resolve() for p in held_files}
+        train_files = [p for p, _ in files if p.resolve() not in held_set]
+    else:
+        train_files = [p for p, key in files if not heldout_key(key)]
+        held_files = [p for p, key in files if heldout_key(key)]
+    if not train_files:
+        raise DistillError(f"no training text: no {pattern} files under {', '.join(map(str, data))}")
+    train_ids = encode_files(tokenizer, train_files)
+    held_ids = encode_files(tokenizer, held_files) if held_files else np.zeros(0, np.int32)
+    if held_ids.size < seq + 1:
+        cut = int(train_ids.size * 0.95)
+        train_ids, held_ids = train_ids[:cut], train_ids[cut:]
+    if train_ids.size < seq + 2:
+        raise DistillError(f"the training text is {train_ids.size} tokens; at least {seq + 2} are needed")
+    say(f"[distill] {len(train_files)} training files ({train_ids.size:,} tokens), {len(held_files)} held out "
+        f"({held_ids.size:,} tokens)")
+    return spec, tokenizer, train_ids, held_ids, held_files
+
+
+def _teacher(target: Path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    teacher = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    return teacher
+
+
+def eagle3_targets(teacher, windows, layers, draft_ids):
+    """One batch's training inputs from the target: features [B, N, 3H] at positions 0..N-1 (N = S - 1), the
+    token after each position [B, N], and the target's distribution over the draft vocabulary for the token two
+    ahead [B, N, V_draft] (position q's head output predicts token q + 2)."""
+    import torch
+
+    x = windows[:, :-1]  # [B, S]
+    with torch.no_grad():
+        out = teacher(input_ids=x, output_hidden_states=True)
+        features = torch.cat([out.hidden_states[i] for i in layers], dim=-1)[:, :-1].float()
+        probs = torch.softmax(out.logits[:, 1:, draft_ids].float(), dim=-1)
+    return features, x[:, 1:], probs
+
+
+def distill_eagle3(target, out, data, *, heldout=None, pattern: str = "*.py", draft_vocab: int = 2048,
+                   intermediate: int | None = None, ttt_steps: int = 3, steps: int | None = None,
+                   minutes: float | None = None, batch: int = 8, seq: int = 256, lr: float = 2e-3, seed: int = 0,
+                   bf16: bool = True, eval_prompts: int = 16, eval_k: int = 4, eval_tokens: int = 64,
+                   threads: int | None = None, checkpoint_every: int = 50, log_fn=None) -> dict:
+    """Train an EAGLE-3 head for ``target`` into ``out`` (the released layout, heads/eagle3.py); returns the report."""
+    import torch
+
+    from .eagle3 import Eagle3Config, default_layers, draft_vocabulary, head_parameters, init_from_target, make_head, save_head
+
+    say = log_fn or (lambda msg: print(msg, flush=True))
+    target, out = Path(target), Path(out)
+    if steps is None and minutes is None:
+        steps = 600
+    if ttt_steps < 1:
+        raise DistillError(f"ttt_steps must be >= 1, got {ttt_steps}")
+    _check_out_dir(out)
+    if threads:
+        torch.set_num_threads(threads)
+    spec, tokenizer, train_ids, held_ids, held_files = _data(target, data, heldout, pattern, seq, say)
+    if not 1 <= draft_vocab <= spec.vocab_size:
+        raise DistillError(f"draft_vocab must lie in [1, {spec.vocab_size}], got {draft_vocab}")
+    teacher = _teacher(target)
+    tc = teacher.config
+    layers = default_layers(spec.num_layers)
+    config = Eagle3Config(hidden_size=spec.hidden_size, intermediate_size=intermediate or min(tc.intermediate_size, 2 * spec.hidden_size),
+                          num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                          vocab_size=spec.vocab_size, draft_vocab_size=draft_vocab, target_hidden_size=spec.hidden_size,
+                          rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-6)),
+                          rope_theta=float((getattr(tc, "rope_parameters", None) or {}).get("rope_theta", getattr(tc, "rope_theta", 10000.0))),
+                          max_position_embeddings=int(getattr(tc, "max_position_embeddings", 2048)), target_layers=layers)
+    torch.manual_seed(seed)
+    head = make_head(config)
+    d2t, t2d = draft_vocabulary(train_ids, spec.vocab_size, draft_vocab)
+    head.d2t.copy_(torch.from_numpy(d2t))
+    head.t2d.copy_(torch.from_numpy(t2d))
+    init_from_target(head, teacher)
+    draft_ids = torch.arange(draft_vocab) + head.d2t
+    coverage = float(np.isin(held_ids, draft_ids.numpy()).mean()) if held_ids.size else float("nan")
+    say(f"[distill] EAGLE-3 head: {head_parameters(head) / 1e6:.2f}M parameters (the target's embedding shared), "
+        f"features of layers {layers}, draft vocabulary {draft_vocab} (covers {coverage:.1%} of held-out tokens), "
+        f"{ttt_steps} training-time steps")
+
+    cfg = TrainConfig(steps=steps, minutes=minutes if steps is None else None, batch=batch, seq=seq, lr=lr, seed=seed,
+                      bf16=bf16, checkpoint_every=checkpoint_every,
+                      extra={"method": "eagle3", "target": str(target.resolve()), "config": config.to_dict(),
+                             "ttt_steps": ttt_steps, "train_tokens": int(train_ids.size)})
+    loop = TrainLoop(head, cfg, out / WORK, name="distill", log=say)
+    weights = [EAGLE3_STEP_WEIGHT**j for j in range(ttt_steps)]
+
+    def batch_fn(step):
+        return eagle3_targets(teacher, torch.from_numpy(random_windows(train_ids, batch, seq, seed, step)), layers, draft_ids)
+
+    def loss_fn(model, b, step):
+        features, tokens, probs = b
+        outs = model.forward_steps(features, tokens, ttt_steps)
+        loss = 0.0
+        for j, (w, logits) in enumerate(zip(weights, outs)):
+            lp = torch.log_softmax(logits[:, j:].float(), -1)
+            loss = loss + w * -(probs[:, j:] * lp).sum(-1).mean()
+        return loss / sum(weights)
+
+    seconds = loop.run(batch_fn, loss_fn)
+    say("[distill] evaluating on the held-out text")
+    agreement = eagle3_agreement(head, teacher, held_ids, seq, layers, draft_ids, ttt_steps)
+    final = out / WORK / "final"
+    save_head(head, final, include_embedding=False)
+    tokenizer.save_pretrained(final / "tokenizer")
+    report = {"method": "eagle3", "target": str(target), "head": str(out), "parameters": head_parameters(head),
+              "config": config.to_dict(), "draft_vocab_coverage": coverage,
+              "training": {"steps": loop.total_steps, "batch": batch, "seq": seq, "peak_lr": lr, "ttt_steps": ttt_steps,
+                           "seed": seed, "bf16_autocast": loop.autocast, "train_minutes": seconds / 60},
+              "loss_curve": loop.history, **agreement}
+    for f in final.iterdir():
+        f.replace(out / f.name)
+    (out / REPORT).write_text(json.dumps(report, indent=2))
+    shutil.rmtree(out / WORK)
+    if eval_prompts:
+        prompts = heldout_prompts(held_files, tokenizer, eval_prompts)
+        if prompts:
+            say(f"[distill] measuring greedy acceptance with the head at k={eval_k} through trtspec engines")
+            report["acceptance"] = measure_head_acceptance(target, out, prompts, k=eval_k, max_new_tokens=eval_tokens,
+                                                           threads=threads)
+            (out / REPORT).write_text(json.dumps(report, indent=2))
+    say(f"[distill] wrote {out}: held-out top-1 agreement per drafted position "
+        f"{', '.join(f'{a:.3f}' for a in agreement['heldout_agreement'])}"
+        + (f", alpha {report['acceptance']['alpha']:.3f} at k={eval_k}" if "acceptance" in report else ""))
+    return report
+
+
+def eagle3_agreement(head, teacher, held: np.ndarray, seq: int, layers, draft_ids, steps: int,
+                     max_tokens: int = 32_768, batch: int = 8) -> dict:
+    """Held-out: how often the head's top token (mapped to target ids) is the target's, per drafted position
+    (training-time step j: j tokens drafted past the verified ones), and the mean KL at step 0."""
+    import torch
+
+    n = min(held.size - 1, max_tokens) // (seq + 1) * (seq + 1)
+    if n == 0:
+        return {"heldout_agreement": []}
+    agree = np.zeros(steps)
+    count = np.zeros(steps)
+    kl, kl_n = 0.0, 0
+    with torch.no_grad():
+        windows = torch.from_numpy(held[:n].astype(np.int64)).reshape(-1, seq + 1)
+        for s in range(0, windows.shape[0], batch):
+            features, tokens, probs = eagle3_targets(teacher, windows[s : s + batch], layers, draft_ids)
+            outs = head.forward_steps(features, tokens, steps)
+            best = probs.argmax(-1)
+            for j, logits in enumerate(outs):
+                agree[j] += float((logits[:, j:].argmax(-1) == best[:, j:]).sum())
+                count[j] += best[:, j:].numel()
+            lp = torch.log_softmax(outs[0].float(), -1)
+            kl += float((probs * (torch.log(probs.clamp_min(1e-12)) - lp)).sum())
+            kl_n += probs.shape[0] * probs.shape[1]
+    return {"heldout_agreement": (agree / count).tolist(), "heldout_kl_draft_vocab": kl / kl_n,
+            "heldout_tokens": int(count[0])}
+
+
+def measure_head_acceptance(target_dir: Path, head_dir: Path, prompts, *, k: int = 4, max_new_tokens: int = 64,
+                            threads: int | None = None) -> dict:
+    """Greedy speculative decoding with the head through trtspec onnxruntime engines: acceptance at k."""
+    import logging
+    import tempfile
+
+    from ..builder import build
+    from ..exporter import export
+    from ..runtime import Generator
+    from .export import export_head
+
+    quiet = [logging.getLogger(n) for n in ("trtspec.export", "trtspec.build")]
+    levels = [q.level for q in quiet]
+    with tempfile.TemporaryDirectory(prefix="trtspec-distill-") as tmp:
+        tmp = Path(tmp)
+        try:
+            for q in quiet:
+                q.setLevel(logging.WARNING)
+            target = build(export(target_dir, tmp / "target-export", max_seq_len=512, max_batch=4,
+                                  hidden_states="low,mid,high"), tmp / "target-engine")
+            head = export_head(head_dir, tmp / "head", target=target)
+        finally:
+            for q, level in zip(quiet, levels):
+                q.setLevel(level)
+        gen = Generator(target, head, drafter="eagle3", num_draft_tokens=k, k_policy="fixed", num_threads=threads)
+        try:
+            out = gen.generate(prompts, max_new_tokens=max_new_tokens, temperature=0.0)
+        finally:
+            gen.close()
+    stats = out.stats
+    calls = sum(r.stats.target_calls for r in out)
+    return {"k": k, "prompts": len(prompts), "max_new_tokens": max_new_tokens, "alpha": stats.token_acceptance,
+            "acceptance_rate": stats.acceptance_rate, "tokens_per_target_call": stats.new_tokens / calls if calls else 0.0}
