@@ -28,13 +28,35 @@ def _add_export(sub):
     p.add_argument("--no-ring-cache", dest="ring_cache", action="store_false",
                    help="full-size caches for sliding-window layers too (TensorRT: its KV cache update has no "
                         "circular mode)")
+    p.add_argument("--tree", action="store_true",
+                   help="a tree_mask input: one call verifies a token tree (the target of --tree-width > 1)")
+    p.add_argument("--hidden-states", metavar="LAYERS",
+                   help="a hidden_states output for draft heads: low,mid,high (EAGLE-3), last (Medusa) or HF "
+                        "hidden_states indices")
 
     def run(args):
         from .exporter import export
 
         out = export(args.model_dir, args.output, max_seq_len=args.max_seq_len, max_batch=args.max_batch, dtype=args.dtype,
-                     max_call_tokens=args.max_call_tokens, ring_cache=args.ring_cache)
+                     max_call_tokens=args.max_call_tokens, ring_cache=args.ring_cache, tree=args.tree,
+                     hidden_states=args.hidden_states)
         print(out)
+
+    p.set_defaults(run=run)
+
+
+def _add_export_head(sub):
+    p = sub.add_parser("export-head", help="EAGLE-3 head directory -> its step graph artifact, for a target")
+    p.add_argument("head_dir", help="an EAGLE-3 head (trtspec distill --method eagle3, or the EAGLE authors' layout)")
+    p.add_argument("--target", required=True, help="the target's export or engine, made with --hidden-states")
+    p.add_argument("-o", "--output", required=True, help="artifact directory to write")
+    p.add_argument("--target-model", help="the target's HF directory, for a head without its own embedding "
+                                          "(default: the one the target was exported from)")
+
+    def run(args):
+        from .heads.export import export_head
+
+        print(export_head(args.head_dir, args.output, target=args.target, target_model=args.target_model))
 
     p.set_defaults(run=run)
 
@@ -132,13 +154,18 @@ def _add_engine_arguments(p) -> None:
     p.add_argument("--target", required=True, help="engine (or export) directory of the target model")
     p.add_argument("--draft", help="engine (or export) directory of the draft model, or `self`: the target's own "
                                    "INT4 build (made once from its export, beside the target engine)")
-    p.add_argument("--drafter", choices=["draft", "prompt_lookup", "none"], help="default: draft if --draft, else none")
+    p.add_argument("--drafter", choices=["draft", "eagle3", "medusa", "prompt_lookup", "none"],
+                   help="default: draft if --draft, else none; eagle3/medusa: --draft is the exported head")
     p.add_argument("-k", "--num-draft-tokens", type=_positive_int, default=4,
                    help="most tokens drafted per round (default 4); with --k-policy load-aware fewer, down to 0, "
                         "when drafting does not pay")
     p.add_argument("--k-policy", choices=K_POLICIES, default="load-aware",
                    help="load-aware (default): choose k each round, up to -k, from the measured costs at the current "
                         "batch size; fixed: draft -k tokens every round")
+    p.add_argument("--tree-width", type=_positive_int, default=1,
+                   help="draft a tree: beside each drafted token its next likeliest tree-width - 1, verified in one "
+                        "target call (the target exported with --tree; default 1: chains)")
+    p.add_argument("--tree-nodes", type=_positive_int, help="most tree nodes per round (default k x tree-width)")
     p.add_argument("--threads", type=_positive_int, help="onnxruntime intra-op threads (default: all cores)")
 
 
@@ -172,6 +199,8 @@ def _add_generate(sub):
             drafter=args.drafter,
             k_policy=args.k_policy,
             num_threads=args.threads,
+            tree_width=args.tree_width,
+            tree_nodes=args.tree_nodes,
         )
         options = dict(
             max_new_tokens=args.max_new_tokens,
@@ -295,7 +324,8 @@ def _add_serve(sub):
         scheduler = Scheduler(
             args.target, args.draft, drafter=args.drafter, num_draft_tokens=args.num_draft_tokens,
             k_policy=args.k_policy, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk,
-            prefix_cache_mb=args.prefix_cache_mb, num_threads=args.threads,
+            prefix_cache_mb=args.prefix_cache_mb, num_threads=args.threads, tree_width=args.tree_width,
+            tree_nodes=args.tree_nodes,
         )
         for text in args.system_prompt:
             print(f"trtspec serve: cached a prefix of {scheduler.register_prefix(text)} tokens", file=sys.stderr)
@@ -318,6 +348,7 @@ def _serve_ray(args):
     config = dict(target=args.target, draft=args.draft, drafter=args.drafter, num_draft_tokens=args.num_draft_tokens,
                   k_policy=args.k_policy, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk,
                   prefix_cache_mb=args.prefix_cache_mb, num_threads=args.threads or 1, router=args.router,
+                  tree_width=args.tree_width, tree_nodes=args.tree_nodes,
                   max_queue=args.max_queue, gpus_per_replica=args.gpus_per_replica,
                   system_prompts=args.system_prompt, model_name=args.served_model_name, api_key=args.api_key,
                   log_prompts=args.log_prompts, replicas=args.replicas)
@@ -391,6 +422,14 @@ def _add_distill(sub):
                        "Run the same command again to resume a stopped run.")
     p.add_argument("--target", required=True, help="the target's Hugging Face model directory")
     p.add_argument("--out", required=True, help="new (or empty) directory for the draft")
+    p.add_argument("--method", choices=["draft", "eagle3", "medusa"], default="draft",
+                   help="draft (default): a small model of the target's family; eagle3: an EAGLE-3 head on the "
+                        "target's low/mid/high features; medusa: Medusa heads on its last hidden state")
+    p.add_argument("--draft-vocab", type=_positive_int,
+                   help="eagle3/medusa: the head's vocabulary, the text's most frequent tokens (default 2048 / 1024)")
+    p.add_argument("--ttt-steps", type=_positive_int, default=3,
+                   help="eagle3: training-time test steps (drafted positions trained per window, default 3)")
+    p.add_argument("--medusa-heads", type=_positive_int, default=4, help="medusa: heads (default 4)")
     p.add_argument("--data", required=True, nargs="+", help="text files, or directories searched for --pattern")
     p.add_argument("--heldout", nargs="+", help="held-out files or directories (default: files whose path "
                    "hashes to 0 mod 20 are held out of --data)")
@@ -421,6 +460,19 @@ def _add_distill(sub):
     def run(args):
         from .distill import distill
 
+        if args.method != "draft":
+            from .heads.train import distill_eagle3, distill_medusa
+
+            common = dict(heldout=args.heldout, pattern=args.pattern, steps=args.steps, minutes=args.minutes,
+                          batch=args.batch, seq=args.seq, lr=args.lr, seed=args.seed, bf16=not args.no_bf16,
+                          eval_prompts=args.eval_prompts, threads=args.threads)
+            if args.method == "eagle3":
+                distill_eagle3(args.target, args.out, args.data, draft_vocab=args.draft_vocab or 2048,
+                               intermediate=args.intermediate, ttt_steps=args.ttt_steps, **common)
+            else:
+                distill_medusa(args.target, args.out, args.data, draft_vocab=args.draft_vocab or 1024,
+                               num_heads=args.medusa_heads, **common)
+            return
         distill(args.target, args.out, args.data, heldout=args.heldout, pattern=args.pattern, layers=args.layers,
                 hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads, intermediate=args.intermediate,
                 steps=args.steps, minutes=args.minutes, batch=args.batch, seq=args.seq, lr=args.lr,
@@ -489,6 +541,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_export(sub)
+    _add_export_head(sub)
     _add_quantize(sub)
     _add_check(sub)
     _add_build(sub)

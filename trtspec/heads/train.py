@@ -196,9 +196,10 @@ def eagle3_agreement(head, teacher, held: np.ndarray, seq: int, layers, draft_id
             "heldout_tokens": int(count[0])}
 
 
-def measure_head_acceptance(target_dir: Path, head_dir: Path, prompts, *, k: int = 4, max_new_tokens: int = 64,
-                            threads: int | None = None) -> dict:
-    """Greedy speculative decoding with the head through trtspec onnxruntime engines: acceptance at k."""
+def measure_head_acceptance(target_dir: Path, head_dir: Path, prompts, *, method: str = "eagle3", k: int = 4,
+                            max_new_tokens: int = 64, threads: int | None = None) -> dict:
+    """Greedy speculative decoding with the head through trtspec onnxruntime engines: acceptance at k (EAGLE-3,
+    chains) or with a 16-node tree (Medusa)."""
     import logging
     import tempfile
 
@@ -214,13 +215,13 @@ def measure_head_acceptance(target_dir: Path, head_dir: Path, prompts, *, k: int
         try:
             for q in quiet:
                 q.setLevel(logging.WARNING)
-            target = build(export(target_dir, tmp / "target-export", max_seq_len=512, max_batch=4,
-                                  hidden_states="low,mid,high"), tmp / "target-engine")
-            head = export_head(head_dir, tmp / "head", target=target)
+            target = build(export(target_dir, tmp / "target-export", max_seq_len=512, max_batch=4, tree=method == "medusa",
+                                  hidden_states="low,mid,high" if method == "eagle3" else "last"), tmp / "target-engine")
+            head = export_head(head_dir, tmp / "head", target=target) if method == "eagle3" else head_dir
         finally:
             for q, level in zip(quiet, levels):
                 q.setLevel(level)
-        gen = Generator(target, head, drafter="eagle3", num_draft_tokens=k, k_policy="fixed", num_threads=threads)
+        gen = Generator(target, head, drafter=method, num_draft_tokens=k, k_policy="fixed", num_threads=threads)
         try:
             out = gen.generate(prompts, max_new_tokens=max_new_tokens, temperature=0.0)
         finally:
@@ -229,3 +230,111 @@ def measure_head_acceptance(target_dir: Path, head_dir: Path, prompts, *, k: int
     calls = sum(r.stats.target_calls for r in out)
     return {"k": k, "prompts": len(prompts), "max_new_tokens": max_new_tokens, "alpha": stats.token_acceptance,
             "acceptance_rate": stats.acceptance_rate, "tokens_per_target_call": stats.new_tokens / calls if calls else 0.0}
+
+
+def medusa_targets(teacher, windows, num_heads: int, draft_ids):
+    """One batch's training inputs: the target's last hidden state [B, N, H] at positions 0..N-1 and, per head i,
+    its distribution over the draft vocabulary for the token i + 2 ahead ([B, N - i - 1, V_draft] each)."""
+    import torch
+
+    x = windows[:, :-1]
+    with torch.no_grad():
+        out = teacher(input_ids=x, output_hidden_states=True)
+        probs = torch.softmax(out.logits[..., draft_ids].float(), -1)
+    n = x.shape[1]
+    return out.hidden_states[-1].float(), [probs[:, i + 1 :] for i in range(min(num_heads, n - 1))]
+
+
+def distill_medusa(target, out, data, *, heldout=None, pattern: str = "*.py", num_heads: int = 4,
+                   draft_vocab: int = 1024, steps: int | None = None, minutes: float | None = None, batch: int = 8,
+                   seq: int = 256, lr: float = 2e-3, seed: int = 0, bf16: bool = True, eval_prompts: int = 16,
+                   threads: int | None = None, checkpoint_every: int = 50, log_fn=None, **_ignored) -> dict:
+    """Train Medusa heads for ``target`` into ``out`` (heads/medusa.py); returns the report."""
+    import torch
+
+    from .eagle3 import draft_vocabulary
+    from .medusa import make_heads, save_heads
+
+    say = log_fn or (lambda msg: print(msg, flush=True))
+    target, out = Path(target), Path(out)
+    if steps is None and minutes is None:
+        steps = 400
+    if num_heads < 1:
+        raise DistillError(f"num_heads must be >= 1, got {num_heads}")
+    _check_out_dir(out)
+    if threads:
+        torch.set_num_threads(threads)
+    spec, tokenizer, train_ids, held_ids, held_files = _data(target, data, heldout, pattern, seq, say)
+    if not 1 <= draft_vocab <= spec.vocab_size:
+        raise DistillError(f"draft_vocab must lie in [1, {spec.vocab_size}], got {draft_vocab}")
+    teacher = _teacher(target)
+    torch.manual_seed(seed)
+    heads = make_heads(spec.hidden_size, spec.vocab_size, draft_vocab, num_heads)
+    d2t, _ = draft_vocabulary(train_ids, spec.vocab_size, draft_vocab)
+    heads.d2t.copy_(torch.from_numpy(d2t))
+    draft_ids = torch.arange(draft_vocab) + heads.d2t
+    with torch.no_grad():  # every head starts as the target's own lm_head on the draft vocabulary
+        for head in heads.medusa_head:
+            head[1].weight.copy_(teacher.lm_head.weight[draft_ids].float())
+    params = sum(p.numel() for p in heads.parameters())
+    say(f"[distill] Medusa: {num_heads} heads, {params / 1e6:.2f}M parameters, draft vocabulary {draft_vocab}")
+    cfg = TrainConfig(steps=steps, minutes=minutes if steps is None else None, batch=batch, seq=seq, lr=lr, seed=seed,
+                      bf16=bf16, checkpoint_every=checkpoint_every,
+                      extra={"method": "medusa", "target": str(target.resolve()), "config": heads.config,
+                             "train_tokens": int(train_ids.size)})
+    loop = TrainLoop(heads, cfg, out / WORK, name="distill", log=say)
+    weights = [EAGLE3_STEP_WEIGHT**i for i in range(num_heads)]
+
+    def batch_fn(step):
+        return medusa_targets(teacher, torch.from_numpy(random_windows(train_ids, batch, seq, seed, step)), num_heads, draft_ids)
+
+    def loss_fn(model, b, step):
+        hidden, probs = b
+        outs = model(hidden)
+        loss = 0.0
+        for w, logits, p in zip(weights, outs, probs):
+            lp = torch.log_softmax(logits[:, : p.shape[1]].float(), -1)
+            loss = loss + w * -(p * lp).sum(-1).mean()
+        return loss / sum(weights[: len(probs)])
+
+    seconds = loop.run(batch_fn, loss_fn)
+    say("[distill] evaluating on the held-out text")
+    agreement = medusa_agreement(heads, teacher, held_ids, seq, num_heads, draft_ids)
+    final = out / WORK / "final"
+    save_heads(heads, final)
+    report = {"method": "medusa", "target": str(target), "heads": str(out), "parameters": params,
+              "config": heads.config, "training": {"steps": loop.total_steps, "batch": batch, "seq": seq, "peak_lr": lr,
+                                                   "seed": seed, "train_minutes": seconds / 60},
+              "loss_curve": loop.history, **agreement}
+    for f in final.iterdir():
+        f.replace(out / f.name)
+    (out / REPORT).write_text(json.dumps(report, indent=2))
+    shutil.rmtree(out / WORK)
+    if eval_prompts:
+        prompts = heldout_prompts(held_files, tokenizer, eval_prompts)
+        if prompts:
+            say("[distill] measuring greedy acceptance with the heads (a tree of 16 nodes) through trtspec engines")
+            report["acceptance"] = measure_head_acceptance(target, out, prompts, method="medusa", threads=threads)
+            (out / REPORT).write_text(json.dumps(report, indent=2))
+    say(f"[distill] wrote {out}: held-out top-1 agreement per head "
+        f"{', '.join(f'{a:.3f}' for a in agreement['heldout_agreement'])}")
+    return report
+
+
+def medusa_agreement(heads, teacher, held: np.ndarray, seq: int, num_heads: int, draft_ids,
+                     max_tokens: int = 32_768, batch: int = 8) -> dict:
+    """Held-out: how often head i's top token is the target's own top token i + 2 ahead."""
+    import torch
+
+    n = min(held.size - 1, max_tokens) // (seq + 1) * (seq + 1)
+    if n == 0:
+        return {"heldout_agreement": []}
+    agree, count = np.zeros(num_heads), np.zeros(num_heads)
+    with torch.no_grad():
+        windows = torch.from_numpy(held[:n].astype(np.int64)).reshape(-1, seq + 1)
+        for s in range(0, windows.shape[0], batch):
+            hidden, probs = medusa_targets(teacher, windows[s : s + batch], num_heads, draft_ids)
+            for i, (logits, p) in enumerate(zip(heads(hidden), probs)):
+                agree[i] += float((logits[:, : p.shape[1]].argmax(-1) == p.argmax(-1)).sum())
+                count[i] += p.shape[0] * p.shape[1]
+    return {"heldout_agreement": (agree / np.maximum(count, 1)).tolist()}

@@ -58,8 +58,8 @@ from .speculative import SPECULATIVE_SAMPLING, RowSampler
 from .tokenizer import encode_prompt, load_tokenizer
 from .vocab import check_same_vocabulary
 
-DRAFTERS = ("draft", "eagle3", "prompt_lookup", "none")
-HEADS = ("eagle3",)  # drafters whose draft is a head on the target's features (draft=PATH of an exported head)
+DRAFTERS = ("draft", "eagle3", "medusa", "prompt_lookup", "none")
+HEADS = ("eagle3", "medusa")  # drafters whose draft is a head on the target's features (draft=PATH of the head)
 K_POLICIES = ("load-aware", "fixed")
 
 
@@ -132,7 +132,7 @@ class Scheduler:
         self.pad_id = special["pad_token_id"] if special["pad_token_id"] is not None else 0
         self.draft = None
         engines = [self.target]
-        if drafter in ("draft", *HEADS):
+        if drafter in ("draft", "eagle3"):
             self.draft = _as_engine(draft, num_threads)
             check_same_vocabulary(self.target, self.draft)
             engines.append(self.draft)
@@ -155,6 +155,10 @@ class Scheduler:
 
             self.drafter = Eagle3Drafter(self.draft, self.target, self.pad_id, tree_width=self.tree_width,
                                          tree_nodes=tree_nodes)
+        elif drafter == "medusa":  # heads run in numpy: no draft engine
+            from ..heads.drafter import MedusaDrafter
+
+            self.drafter = MedusaDrafter(draft, self.target, tree_nodes=tree_nodes)
         elif drafter == "prompt_lookup":
             self.drafter = PromptLookupDrafter(max_batch)
         else:

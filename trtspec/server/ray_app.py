@@ -48,7 +48,7 @@ log = logging.getLogger("trtspec.server")
 
 ROUTERS = ("prefix", "pow2")
 _SCHEDULER_OPTIONS = ("drafter", "num_draft_tokens", "k_policy", "max_batch", "prefill_chunk", "prefix_cache_mb",
-                      "min_prefix_tokens", "sampling", "num_threads")
+                      "min_prefix_tokens", "sampling", "num_threads", "tree_width", "tree_nodes")
 
 
 # -- the engine replica ------------------------------------------------------------------------------------------
@@ -348,7 +348,7 @@ def build_app(args: dict):
             raise ValueError(f"engine directory {path} does not exist (on a cluster, every node needs it at this path)")
     options = {k: args[k] for k in _SCHEDULER_OPTIONS if args.get(k) is not None}
     options = {k: int(v) if k in ("num_draft_tokens", "max_batch", "prefill_chunk", "min_prefix_tokens",
-                                  "num_threads") else v for k, v in options.items()}
+                                  "num_threads", "tree_width", "tree_nodes") else v for k, v in options.items()}
     options.setdefault("num_threads", 1)
     threads = options["num_threads"]
     max_batch = options.get("max_batch") or _engine_rows(target, draft)
