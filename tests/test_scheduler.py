@@ -195,7 +195,7 @@ def test_the_lone_row_loop_feeds_the_load_aware_policy_what_the_batch_path_does(
         gen = Generator(target, draft, num_draft_tokens=4, k_policy="load-aware")
         gen.scheduler.lone_row_loops = loops
         policy, log, script = gen.scheduler.policy, [], itertools.cycle([0, 3, 1, 4, 0, 0, 2])
-        policy.choose = lambda b, caps: min(next(script), int(caps.max()))
+        policy.choose_shape = lambda b, caps: (min(next(script), int(caps.max())), 1)
         for name in ("record_round", "record_acceptance"):
             method = getattr(policy, name)
             setattr(policy, name, lambda *a, _m=method, _n=name: log.append((_n, *a[:3])) or _m(*a))

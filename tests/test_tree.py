@@ -206,7 +206,7 @@ def test_tree_options_are_checked(tree_engine, exported):
     tree = tree_engine("llama-gqa-rope3")
     with pytest.raises(ValueError, match="tree_width must be"):
         Generator(tree, tree, tree_width=0)
-    with pytest.raises(ValueError, match="draft-model drafter"):
+    with pytest.raises(ValueError, match="draft-model and head drafters"):
         Generator(tree, drafter="prompt_lookup", tree_width=2)
 
 
@@ -249,3 +249,47 @@ def test_tree_sampling_follows_the_target_distribution(tree_sampling, monkeypatc
         monkeypatch.setattr(speculative.RowSampler, "verify_tree", wrong)
         counts, _ = _sample_sequences(gen, "def", params, 20_480, seed=0)
         assert _chi_square_p_value(counts, joint) < ALPHA
+
+
+def test_the_load_aware_policy_picks_trees_only_where_the_wider_call_pays():
+    from trtspec.runtime.adaptive import LoadAwareK
+
+    def policy_with(slope_ms):
+        policy = LoadAwareK(6, list(range(1, 30)), widths=(1, 3))
+        for _ in range(40):
+            policy.record_acceptance(4, 2)  # chains: alpha 0.6
+            policy.record_acceptance(4, 3, width=3)  # trees of width 3: 0.75 per depth
+        for t in range(1, 20):  # a call costs 2 ms + slope per token it carries
+            policy.target.record(1, t, 2e-3 + slope_ms * 1e-3 * t)
+        policy.draft.record(1, 1, 0.2e-3)
+        return policy
+
+    caps = np.array([6])
+    k, width = policy_with(0.02).choose_shape(1, caps)  # verify nearly free (a GPU): the tree
+    assert width == 3 and k >= 2
+    k, width = policy_with(0.6).choose_shape(1, caps)  # each token costs a third of a decode (this CPU): chains
+    assert width == 1
+    # measured rounds decide once there are enough: trees that emit more but take longer lose
+    policy = policy_with(0.02)
+    for _ in range(5):
+        for k in range(1, 7):
+            policy.record_round(1, k, 3, 10e-3, width=3)
+            policy.record_round(1, k, 2.5, 5e-3)
+        policy.record_round(1, 0, 1, 3e-3)
+    assert policy.choose_shape(1, caps)[1] == 1
+
+
+def test_a_load_aware_tree_round_stays_exact(tree_engine, perturbed_export):
+    target = tree_engine("llama-gqa-rope3")
+    reference = [r.token_ids for r in Generator(target).generate(PROMPTS, max_new_tokens=40)]
+    draft = load_engine(perturbed_export("llama-gqa-rope3", 0.3))
+    gen = Generator(target, draft, num_draft_tokens=4, tree_width=3)  # load-aware: chains and trees as they pay
+    policy = gen.scheduler.policy
+    assert policy.widths == (1, 3)
+    for t in range(1, 16):  # told that wide calls are nearly free and trees accept well, it starts with trees
+        policy.target.record(3, t, 1e-3)
+    for _ in range(20):
+        policy.record_acceptance(4, 4, width=3)
+    out = gen.generate(PROMPTS, max_new_tokens=40)
+    assert [r.token_ids for r in out] == reference
+    assert sum(gen.scheduler.stats().tree_shapes.values()) > 0  # trees were tried (and judged)

@@ -27,6 +27,7 @@ _PRIOR_SLOPE = 0.05
 _PROBE_EVERY = 16  # rounds at one batch size between tries of a neighbour of the best k
 _MEMORY = 32  # a mean covers at most this many recent observations (machines are shared and noisy)
 _TRUSTED = 3  # rounds of a (batch, k) before its measured rate replaces the estimate
+_PRIOR_RESCUE = 0.3  # before a tree is measured: the share of the chain's rejections its siblings would catch
 
 
 class CallCosts:
@@ -67,36 +68,60 @@ class CallCosts:
 
 
 class LoadAwareK:
-    def __init__(self, k_max: int, allowed: list[int]):
+    """The k (and, with a tree drafter, the tree width) of each round.
+
+    ``widths``: the tree widths a round may use (1: a chain; with a tree drafter also its width, so every round
+    weighs the wider verify call it costs against the acceptance it buys, measured per width, and falls back to
+    chains, or to no drafts, where the wider call does not pay). ``nodes``: the most nodes a tree may have.
+    Shapes are (k, width); a round's rate is keyed by (batch, k, width).
+    """
+
+    def __init__(self, k_max: int, allowed: list[int], widths=(1,), nodes: int | None = None):
         self.k_max = k_max
         self.allowed = allowed  # the k values the engines can verify, ascending
-        self.checked = 0
-        self.accepted = 0
+        self.widths = tuple(sorted(set(widths) | {1}))
+        self.nodes = nodes
+        self.checked: dict[int, int] = {w: 0 for w in self.widths}
+        self.accepted: dict[int, int] = {w: 0 for w in self.widths}
         self.target = CallCosts()
         self.draft = CallCosts()
-        self.rounds: dict[tuple[int, int], list[float]] = {}  # (b, k) -> [mean tokens, mean seconds, rounds]
+        self.rounds: dict[tuple, list[float]] = {}  # (b, k, width) -> [mean tokens, mean seconds, rounds]
         self.since_probe: dict[int, int] = {}
 
-    def record_acceptance(self, proposed: int, accepted: int):
-        # alpha is per checked draft: drafts after the first rejection were never checked
-        self.checked += accepted + (accepted < proposed)
-        self.accepted += accepted
+    def record_acceptance(self, proposed: int, accepted: int, width: int = 1):
+        # alpha is per checked draft (per checked depth of a tree): drafts after the first rejection were never checked
+        self.checked[width] += accepted + (accepted < proposed)
+        self.accepted[width] += accepted
 
-    def record_round(self, b: int, k: int, tokens: int, seconds: float):
+    def record_round(self, b: int, k: int, tokens: int, seconds: float, width: int = 1):
         """A whole decode round at batch b with k drafts: the tokens it emitted and the seconds it took."""
-        entry = self.rounds.setdefault((b, k), [0.0, 0.0, 0])
+        entry = self.rounds.setdefault((b, k, width), [0.0, 0.0, 0])
         entry[2] = min(entry[2] + 1, _MEMORY)
         entry[0] += (tokens - entry[0]) / entry[2]
         entry[1] += (seconds - entry[1]) / entry[2]
 
+    def alpha_of(self, width: int = 1) -> float:
+        chain = (self.accepted[1] + _PRIOR_ALPHA * _PRIOR_WEIGHT) / (self.checked[1] + _PRIOR_WEIGHT)
+        if width == 1:
+            return chain
+        # before a tree is measured: its siblings catch a share of the chain's misses
+        prior = chain + (1 - chain) * _PRIOR_RESCUE
+        return (self.accepted[width] + prior * _PRIOR_WEIGHT) / (self.checked[width] + _PRIOR_WEIGHT)
+
     @property
     def alpha(self) -> float:
-        return (self.accepted + _PRIOR_ALPHA * _PRIOR_WEIGHT) / (self.checked + _PRIOR_WEIGHT)
+        return self.alpha_of(1)
 
-    def _estimated_cost(self, b: int, k: int) -> float:
-        target = self.target.estimate(b, k + 1)
+    def tree_size(self, k: int, width: int) -> int:
+        """Nodes of a (k, width) tree: the tokens its verify call carries besides the last token."""
+        nodes = k * width
+        return min(nodes, self.nodes) if self.nodes and width > 1 else nodes
+
+    def _estimated_cost(self, b: int, k: int, width: int = 1) -> float:
+        size = self.tree_size(k, width)
+        target = self.target.estimate(b, size + 1)
         if target is None:  # nothing measured: relative units, decode call = 1
-            target = 1 + _PRIOR_SLOPE * (b * (k + 1) - 1)
+            target = 1 + _PRIOR_SLOPE * (b * (size + 1) - 1)
         if k == 0:
             return target
         draft = self.draft.estimate(b, 1)
@@ -105,29 +130,38 @@ class LoadAwareK:
             draft = _PRIOR_DRAFT_RATIO * (decode if decode is not None else 1.0)
         return target + k * draft
 
-    def tokens_per_second(self, b: int, k: int, caps: np.ndarray) -> float:
-        """Measured tokens per second of rounds at (b, k), or the estimate while they are too few."""
-        seen = self.rounds.get((b, k))
+    def tokens_per_second(self, b: int, k: int, caps: np.ndarray, width: int = 1) -> float:
+        """Measured tokens per second of rounds at (b, k, width), or the estimate while they are too few."""
+        seen = self.rounds.get((b, k, width))
         if seen is not None and seen[2] >= _TRUSTED and seen[1] > 0:
             return seen[0] / seen[1]
-        alpha = self.alpha
+        alpha = self.alpha_of(width)
         tokens = sum(expected_tokens_per_call(alpha, int(min(k, c))) for c in caps)
-        return tokens / self._estimated_cost(b, k)
+        return tokens / self._estimated_cost(b, k, width)
 
     def choose(self, b: int, caps: np.ndarray) -> int:
         """The best k for this round (0: plain decoding); ``caps`` [rows] bounds each row's k."""
+        return self.choose_shape(b, caps)[0]
+
+    def choose_shape(self, b: int, caps: np.ndarray) -> tuple[int, int]:
+        """The best (k, width) for this round ((0, 1): plain decoding); ``caps`` [rows] bounds each row's k."""
         top = min(int(caps.max()) if caps.size else 0, self.k_max)
-        candidates = [0] + [k for k in self.allowed if k <= top]
+        candidates = [(0, 1)] + [(k, w) for k in self.allowed if k <= top for w in self.widths]
         if len(candidates) == 1:
-            return 0
-        rates = {k: self.tokens_per_second(b, k, caps) for k in candidates}
+            return 0, 1
+        rates = {c: self.tokens_per_second(b, c[0], caps, c[1]) for c in candidates}
         best = max(candidates, key=rates.get)
         waited = self.since_probe.get(b, 0) + 1
         self.since_probe[b] = waited
         if waited >= _PROBE_EVERY:
             self.since_probe[b] = 0
-            i = candidates.index(best)
-            neighbours = [candidates[j] for j in (i - 1, i + 1) if 0 <= j < len(candidates)]
-            # the neighbour measured least recently often, i.e. with the fewest rounds on record
-            return min(neighbours, key=lambda k: self.rounds.get((b, k), [0, 0, 0])[2])
+            # a neighbour of the best: one k up or down at its width, or the other widths at its k; the one
+            # measured least often (the fewest rounds on record)
+            k, w = best
+            ks = [c[0] for c in candidates if c[1] == w]
+            i = ks.index(k)
+            near = [(ks[j], w) for j in (i - 1, i + 1) if 0 <= j < len(ks)]
+            near += [(k, other) for other in self.widths if other != w and (k, other) in rates]
+            if near:
+                return min(near, key=lambda c: self.rounds.get((b, *c), [0, 0, 0])[2])
         return best

@@ -171,7 +171,10 @@ class Scheduler:
         if drafter != "none":
             self._check_k(num_draft_tokens, allow_any=k_policy == "load-aware")
         self.num_draft_tokens = num_draft_tokens if drafter != "none" else 0
-        self.policy = LoadAwareK(self.num_draft_tokens, self.allowed_k) if k_policy == "load-aware" else None
+        widths = (1, self.tree_width) if drafter in ("draft", "eagle3") else (1,)
+        self.policy = (LoadAwareK(self.num_draft_tokens, self.allowed_k, widths=widths, nodes=tree_nodes)
+                       if k_policy == "load-aware" else None)
+        self._width = self.tree_width  # the tree width of the current round
         self.prefill_chunk = min(prefill_chunk, self.max_call)
         self.sampling = sampling
         self.aging_s = float(aging_s)
@@ -582,11 +585,15 @@ class Scheduler:
         """One round over rows [0, B): propose, ONE target call over [last token, drafts...] per row, accept."""
         b = len(rows)
         n, tc, stats, policy = self._n[:b], self._tc[:b], self._stats, self.policy
+        width = self.tree_width
         if policy is not None and caps.any():
-            k = policy.choose(b, caps)
+            k, width = policy.choose_shape(b, caps)
             caps = np.minimum(caps, k)
         else:
             k = int(caps.max())
+        if width != getattr(self.drafter, "tree_width", width):
+            self.drafter.tree_width = width  # this round's shape (the load-aware policy weighs trees and chains)
+        self._width = width
         stats.k_histogram[k] = stats.k_histogram.get(k, 0) + 1
         self.round_log.append((stats.rounds, k, b))
 
@@ -703,7 +710,7 @@ class Scheduler:
             else:
                 r.stats.record_accept(a, deepest)
                 if deepest and policy is not None:
-                    policy.record_acceptance(deepest, a)
+                    policy.record_acceptance(deepest, a, self._width)
                 stats.proposed += deepest
                 stats.accepted += a
             n_before = int(n[s])
@@ -782,7 +789,7 @@ class Scheduler:
         if proposal.calls and proposal.calls[0][1] > 2:
             # a long catch-up pays for earlier rounds that did not draft: charge this round a usual one
             seconds += self.policy.draft.estimate(b, 2) - proposal.calls[0][2]
-        self.policy.record_round(b, k, emitted, seconds)
+        self.policy.record_round(b, k, emitted, seconds, self._width if proposal.parents is not None else 1)
 
     def _decode_alone(self, r):
         """A lone greedy row with no drafts: one-token target calls in the engine's own loop
