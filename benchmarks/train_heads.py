@@ -31,7 +31,8 @@ def main():
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--draft-vocab", type=int, default=3072, help="eagle3: the head's vocabulary (most frequent tokens)")
+    ap.add_argument("--draft-vocab", type=int, default=None,
+                    help="the head's vocabulary, the text's most frequent tokens (default: eagle3 3072, medusa 1024)")
     args = ap.parse_args()
     work = args.work or ROOT / "models" / "bench" / "heads" / args.method
     train_files, held, _ = stdlib_files()
@@ -39,11 +40,13 @@ def main():
     if args.method == "eagle3":
         from trtspec.heads.train import distill_eagle3
 
-        report = distill_eagle3(args.target, work, train_files, draft_vocab=args.draft_vocab, intermediate=1024, **common)
+        report = distill_eagle3(args.target, work, train_files, draft_vocab=args.draft_vocab or 3072, intermediate=1024,
+                                **common)
     else:
         from trtspec.heads.train import distill_medusa
 
-        report = distill_medusa(args.target, work, train_files, **common)
+        report = distill_medusa(args.target, work, train_files, num_heads=4, draft_vocab=args.draft_vocab or 1024,
+                                **common)
     from trtspec.heads.store import store_half
 
     store_half(work, args.out)

@@ -215,3 +215,25 @@ def test_medusa_heads_in_the_authors_layout_load(tmp_path, medusa):
     hidden = np.random.default_rng(0).normal(size=(2, ours.hidden)).astype(np.float32)
     for (a_ids, _), (b_ids, _) in zip(ours.top(hidden, 1), theirs.top(hidden, 1)):
         np.testing.assert_array_equal(a_ids, b_ids)  # the same first choice over the full vocabulary
+
+
+def test_the_cli_exports_a_tree_target_and_a_head_and_generates_the_targets_text(tmp_path, model_dir, capsys):
+    from trtspec.cli import main
+
+    src = model_dir(ARCH)
+    target = tmp_path / "target"
+    assert main(["export", str(src), "-o", str(target), "--max-seq-len", "64", "--max-batch", "2", "--tree",
+                 "--hidden-states", "low,mid,high"]) == 0
+    model = json.loads((target / "manifest.json").read_text())["model"]
+    assert model["tree_verify"] and model["hidden_states"]["layers"] == [1, 1, 1]
+    head = released_head(tmp_path / "released", src)
+    assert main(["export-head", str(head), "--target", str(target), "-o", str(tmp_path / "head")]) == 0
+    capsys.readouterr()
+
+    def tokens(*extra):
+        assert main(["generate", "--target", str(target), "--prompt", "def add(a, b):", "--max-new-tokens", "20",
+                     "--json", *extra]) == 0
+        return json.loads(capsys.readouterr().out)["results"][0]["token_ids"]
+
+    reference = tokens()
+    assert tokens("--draft", str(tmp_path / "head"), "--drafter", "eagle3", "--tree-width", "2", "-k", "3") == reference

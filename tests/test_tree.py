@@ -293,3 +293,21 @@ def test_a_load_aware_tree_round_stays_exact(tree_engine, perturbed_export):
     out = gen.generate(PROMPTS, max_new_tokens=40)
     assert [r.token_ids for r in out] == reference
     assert sum(gen.scheduler.stats().tree_shapes.values()) > 0  # trees were tried (and judged)
+
+
+def test_tensorrt_profiles_and_bindings_carry_the_tree_mask():
+    # (pure Python: TensorRT is not installed here) every profile of a tree export gives tree_mask [B, T, T]
+    from trtspec.builder.tensorrt_plan import profile_plan
+    from trtspec.engines.tensorrt import call_bindings
+
+    model = {"max_seq_len": 64, "max_batch": 2, "num_kv_heads": 2, "head_dim": 8, "dtype": "float16", "vocab_size": 100,
+             "num_layers": 1, "kv_aliases": {"present_key_0": "past_key_0", "present_value_0": "past_value_0"},
+             "tree_verify": True, "hidden_states": {"layers": [1], "size": 16}}
+    plan = profile_plan(model, max_prefill=32, verify_tokens=[5, 17])
+    shapes = {p["name"]: p["shapes"]["tree_mask"] for p in plan["profiles"]}
+    assert shapes["verify_17"] == {"min": [1, 17, 17], "opt": [2, 17, 17], "max": [2, 17, 17]}
+    assert shapes["prefill"]["max"] == [2, 32, 32] and shapes["decode"]["max"] == [2, 1, 1]
+    pointers = {"input_ids": 1, "position_ids": 2, "logits": 3, "tree_mask": 4, "hidden_states": 5,
+                "past_key_0": 1000, "past_value_0": 2000}
+    shapes, addresses = call_bindings(model, model["kv_aliases"], 2, 17, pointers, first_row=0, row_bytes=10)
+    assert shapes["tree_mask"] == [2, 17, 17] and addresses["tree_mask"] == 4 and addresses["hidden_states"] == 5

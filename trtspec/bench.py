@@ -9,6 +9,10 @@ Configurations (each over every prompt, batch 1, ``max_new_tokens`` each, repeat
   trtspec_adaptive trtspec speculative with load-aware k (k_policy "load-aware", up to max k)
   trtspec_lookup   trtspec prompt lookup, fixed k = 4
   trtspec_self_k4  trtspec speculative with the target's own INT4 build as the draft (`--draft self`), fixed k
+  trtspec_tree_k5x3            the draft's chain of 5 with its next 2 likeliest tokens at each depth, one tree
+                               verify call (targets exported with --tree)
+  trtspec_eagle3_k4, _tree_k5x3  an EAGLE-3 head (``eagle3``, an exported head) drafting chains / trees
+  trtspec_medusa_tree16        Medusa heads (``medusa``), a 16-node tree
 Reported: median tokens/s, speedups vs hf and vs trtspec measured in the same run, acceptance,
 tokens per target call, the theoretical speedup E / (k c + v) from measured alpha and call costs,
 and whether greedy outputs equal HF's and trtspec target-only's.
@@ -159,6 +163,9 @@ def run_bench(
     threads: int = 2,
     include_hf: bool = True,
     self_draft: bool = True,
+    tree_width: int = 3,
+    eagle3=None,
+    medusa=None,
     log=print,
 ) -> dict:
     from .engines import load_engine
@@ -183,6 +190,24 @@ def run_bench(
         Generator(target_engine, draft_engine, num_draft_tokens=max(ks), k_policy="load-aware"))))
     configs.append(("trtspec_lookup", 4, lambda: _trtspec_runner(
         Generator(target_engine, drafter="prompt_lookup", num_draft_tokens=4, k_policy="fixed"))))
+    k_tree = 5 if 5 in ks else max(ks)
+    if getattr(target_engine, "tree_verify", False) and tree_width > 1:  # a --tree export: the draft's trees
+        configs.append((f"trtspec_tree_k{k_tree}x{tree_width}", k_tree, lambda: _trtspec_runner(
+            Generator(target_engine, draft_engine, num_draft_tokens=k_tree, k_policy="fixed", tree_width=tree_width))))
+    else:
+        log("no tree rows: the target was not exported with --tree")
+    if eagle3 is not None:
+        head = load_engine(eagle3, num_threads=threads)
+        k_head = 4 if 4 in ks else max(ks)
+        configs.append((f"trtspec_eagle3_k{k_head}", k_head, lambda: _trtspec_runner(
+            Generator(target_engine, head, drafter="eagle3", num_draft_tokens=k_head, k_policy="fixed"))))
+        if getattr(target_engine, "tree_verify", False) and tree_width > 1:
+            configs.append((f"trtspec_eagle3_tree_k{k_tree}x{tree_width}", k_tree, lambda: _trtspec_runner(
+                Generator(target_engine, head, drafter="eagle3", num_draft_tokens=k_tree, k_policy="fixed",
+                          tree_width=tree_width))))
+    if medusa is not None:
+        configs.append(("trtspec_medusa_tree16", 4, lambda: _trtspec_runner(
+            Generator(target_engine, medusa, drafter="medusa", num_draft_tokens=4, k_policy="fixed", tree_nodes=16))))
     if self_draft:  # the target's own INT4 build as its draft (`--draft self`), built once beside the target
         from .runtime.self_draft import self_draft as build_self_draft
 

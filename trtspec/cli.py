@@ -255,6 +255,10 @@ def _add_bench(sub):
     p.add_argument("--no-hf", action="store_true", help="skip the HF baselines (they are the slow part)")
     p.add_argument("--no-self-draft", action="store_true",
                    help="skip the row drafting with the target's own INT4 build (built once beside the target)")
+    p.add_argument("--tree-width", type=_positive_int, default=3,
+                   help="rows drafting trees this wide (when the target was exported with --tree; default 3)")
+    p.add_argument("--eagle3", help="an exported EAGLE-3 head (trtspec export-head) for the target: chain and tree rows")
+    p.add_argument("--medusa", help="Medusa heads for the target (a directory): tree rows")
     p.add_argument("-o", "--output", default="benchmarks/results", help="where bench.json, bench.md, bench.png go")
 
     def run(args):
@@ -268,8 +272,8 @@ def _add_bench(sub):
         results = run_bench(args.target, args.draft, hf_target, hf_draft, prompts,
                             max_new_tokens=args.max_new_tokens, ks=range(1, args.max_k + 1), repeats=args.repeats,
                             temperatures=args.temperatures, threads=args.threads, include_hf=not args.no_hf,
-                            self_draft=not args.no_self_draft,
-                            log=lambda m: print(m, file=sys.stderr, flush=True))
+                            self_draft=not args.no_self_draft, tree_width=args.tree_width, eagle3=args.eagle3,
+                            medusa=args.medusa, log=lambda m: print(m, file=sys.stderr, flush=True))
         write_outputs(results, Path(args.output))
         from .bench import markdown_table
 

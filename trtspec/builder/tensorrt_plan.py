@@ -51,7 +51,10 @@ def _shapes(model: dict, b_max: int, t_min: int, t_opt: int, t_max: int) -> dict
     cache_tail = [model["num_kv_heads"], model["max_seq_len"], model["head_dim"]]
     cache = {"min": [1, *cache_tail], "opt": [b_max, *cache_tail], "max": [b_max, *cache_tail]}
     past = [name for name in model["kv_aliases"].values()]
-    return {"input_ids": tokens, "position_ids": tokens, **{name: cache for name in past}}
+    shapes = {"input_ids": tokens, "position_ids": tokens}
+    if model.get("tree_verify"):  # [B, T, T]: a static-T verify profile serves trees of T - 1 nodes
+        shapes["tree_mask"] = {key: [b, t, t] for key, (b, t) in tokens.items()}
+    return {**shapes, **{name: cache for name in past}}
 
 
 def profile_plan(model: dict, *, max_prefill: int | None = None, verify_tokens=DEFAULT_VERIFY_TOKENS,

@@ -19,7 +19,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import ArtifactError, BackendUnavailableError
-from .base import CallGuard, SavedPrefix, check_step_inputs
+import numpy as np
+
+from .base import CallGuard, SavedPrefix, check_step_inputs, check_tree
 from .profiles import is_static, select_profile
 from .tensorrt_compat import check_plan_compatible, compute_capability, import_tensorrt
 
@@ -54,8 +56,11 @@ def call_bindings(model: dict, aliases: dict, batch: int, tokens: int, pointers:
     """
     cache_shape = [batch, model["num_kv_heads"], model["max_seq_len"], model["head_dim"]]
     shapes = {"input_ids": [batch, tokens], "position_ids": [batch, tokens]}
+    if model.get("tree_verify"):  # a tree export: its mask input [B, T, T] (the causal one for other calls)
+        shapes["tree_mask"] = [batch, tokens, tokens]
     shapes.update({past: cache_shape for past in aliases.values()})
-    addresses = {name: pointers[name] for name in ("input_ids", "position_ids", "logits")}
+    addresses = {name: pointers[name] for name in ("input_ids", "position_ids", "logits", "tree_mask", "hidden_states")
+                 if name in pointers}
     for present, past in aliases.items():
         addresses[past] = pointers[past] + first_row * row_bytes
         addresses[present] = addresses[past]
@@ -91,6 +96,9 @@ class TensorRTEngine:
         self.max_batch = self.plan["max_batch"]
         self.vocab_size = model["vocab_size"]
         self.verify_tokens = list(self.plan["verify_tokens"])  # T values with their own static profile
+        self.tree_verify = bool(model.get("tree_verify"))
+        self.features_size = (model.get("hidden_states") or {}).get("size")
+        self.features = None  # the last call's hidden_states [B, T, F] on the host (exports with them)
         self._logger = trt.Logger(trt.Logger.WARNING)
         self._runtime = trt.Runtime(self._logger)
         self._engine = self._runtime.deserialize_cuda_engine((self.path / manifest["plan_file"]).read_bytes())
@@ -117,6 +125,14 @@ class TensorRTEngine:
         self._scratch = torch.empty(max(self._engine.device_memory_size_v2, 1), dtype=torch.uint8, device="cuda")
         self._pointers = {"input_ids": self._ids.data_ptr(), "position_ids": self._positions.data_ptr(),
                           "logits": self._logits.data_ptr(), **{p: buf.data_ptr() for p, buf in self.cache.items()}}
+        tokens = buffers["token_buffer_elements"] // self.max_batch
+        if self.tree_verify:
+            self._tree = torch.zeros(self.max_batch * tokens * tokens, dtype=torch.bool, device="cuda")
+            self._pointers["tree_mask"] = self._tree.data_ptr()
+        if self.features_size:
+            self._hidden = torch.empty(buffers["token_buffer_elements"] * self.features_size,
+                                       dtype=self._logits.dtype, device="cuda")
+            self._pointers["hidden_states"] = self._hidden.data_ptr()
 
     def _make_context(self, trt, index: int):
         context = self._engine.create_execution_context(trt.ExecutionContextAllocationStrategy.USER_MANAGED)
@@ -124,24 +140,51 @@ class TensorRTEngine:
         context.set_optimization_profile_async(index, self._stream.cuda_stream)
         return context
 
-    def forward(self, input_ids, position_ids, first_row: int = 0):
+    def forward(self, input_ids, position_ids, first_row: int = 0, tree_mask=None):
         # input_ids [B, T] int64, position_ids [B, T] int64 -> logits [B, T, V] on the host
-        # The returned array is a view of a reused pinned buffer: valid until the next call.
+        # tree_mask [B, T, T] bool: a tree call (a --tree export). The returned array is a view of a reused pinned
+        # buffer: valid until the next call.
+        tree = tree_mask is not None
+        if tree and not self.tree_verify:
+            raise ValueError(f"{self.path} was exported without tree verification; re-export the target with --tree")
         input_ids, position_ids = check_step_inputs(
             input_ids, position_ids, max_batch=self.max_batch, max_seq_len=self.max_seq_len, vocab_size=self.vocab_size,
-            first_row=first_row,
+            first_row=first_row, tree=tree,
         )
         b, t = input_ids.shape
+        if tree:
+            tree_mask = check_tree(tree_mask, position_ids)
+        elif self.tree_verify:
+            tree_mask = np.broadcast_to(np.tril(np.ones((t, t), bool)), (b, t, t))
         index = select_profile(self.plan, b, t)
         torch = self._torch
         n, m = b * t, b * t * self.vocab_size
         with self._guard, torch.cuda.stream(self._stream):
             self._ids[:n].copy_(torch.from_numpy(input_ids.reshape(-1)))
             self._positions[:n].copy_(torch.from_numpy(position_ids.reshape(-1)))
+            if self.tree_verify:
+                self._tree[: n * t].copy_(torch.from_numpy(np.ascontiguousarray(tree_mask).reshape(-1)))
             self._run(index, b, t, first_row)
             self._host_logits[:m].copy_(self._logits[:m], non_blocking=True)
+            if self.features_size:
+                f = self._hidden[: n * self.features_size].float().cpu()
             self._stream.synchronize()
+        if self.features_size:
+            self.features = f.numpy().reshape(b, t, self.features_size)
         return self._host_logits[:m].numpy().reshape(b, t, self.vocab_size)
+
+    def keep_path(self, row: int, start: int, nodes):
+        nodes = np.asarray(nodes, np.int64)
+        moved = np.flatnonzero(nodes != np.arange(nodes.size))
+        if not moved.size:
+            return
+        torch = self._torch
+        src = torch.from_numpy(start + nodes[moved]).cuda()
+        dst = torch.from_numpy(start + moved).cuda()
+        with self._guard, torch.cuda.stream(self._stream):
+            for buf in self.cache.values():
+                buf[row, :, dst] = buf[row, :, src]  # (the gather reads every source before the write)
+            self._stream.synchronize()
 
     def _run(self, index: int, b: int, t: int, first_row: int):
         graph = self._graphs.get((index, b, first_row))

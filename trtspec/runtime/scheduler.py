@@ -113,6 +113,9 @@ class Scheduler:
             raise ValueError("drafter 'draft' needs a draft model: pass draft=PATH (or choose prompt_lookup/none)")
         if drafter in HEADS and draft is None:
             raise ValueError(f"drafter {drafter!r} needs its head: pass draft=PATH of the exported head (trtspec export-head)")
+        if drafter in HEADS and not hasattr(self.target, "features"):
+            raise ValueError(f"drafter {drafter!r} reads the target's hidden states, which the {self.target.backend} "
+                             "engine does not return; use the onnxruntime engine of a --hidden-states export")
         if drafter not in ("draft", *HEADS) and draft is not None:
             raise ValueError(f"a draft model was given but drafter is {drafter!r}; drop one of them")
         if k_policy not in K_POLICIES:
