@@ -56,7 +56,7 @@ def released_head(out, target_dir, *, draft_vocab=200, seed=0):
 def eagle(tmp_path_factory, exported, built, model_dir):
     from trtspec.heads.export import export_head
 
-    target = built(ARCH, tree=True, hidden_states="low,mid,high")
+    target = built(ARCH, tree=True, hidden_states="low,mid,high,last")  # (more layers than the head reads)
     tmp = tmp_path_factory.mktemp("eagle3")
     head_dir = released_head(tmp / "released", model_dir(ARCH))
     head = export_head(head_dir, tmp / "head", target=target)
@@ -139,6 +139,11 @@ def test_eagle3_with_a_self_consistent_head_accepts(tmp_path, exported, built, m
                         tree_width=width).generate(prompts, max_new_tokens=30)
         assert [r.token_ids for r in out] == reference
         assert out.stats.accepted > 0
+    # the distill report's acceptance check: the head exported for a fresh target export, through the engines
+    from trtspec.heads.train import measure_head_acceptance
+
+    measured = measure_head_acceptance(model_dir(ARCH), tmp_path / "head", prompts, k=3, max_new_tokens=16)
+    assert measured["alpha"] > 0 and measured["tokens_per_target_call"] > 1
 
 
 def test_head_and_target_must_match(eagle, exported, tmp_path, model_dir):
@@ -193,10 +198,10 @@ def test_medusa_heads_in_the_authors_layout_load(tmp_path, medusa):
     """medusa_lm_head.pt with full-vocabulary heads and no d2t (the Medusa authors' release) drafts as well."""
     import torch
 
-    from trtspec.heads.medusa import NumpyHeads
+    from trtspec.heads.medusa import HeadRunner
 
     target, heads = medusa
-    ours = NumpyHeads(heads)
+    ours = HeadRunner(heads)
     full = {}
     v = ours.vocab
     for i in range(ours.num_heads):
@@ -211,7 +216,7 @@ def test_medusa_heads_in_the_authors_layout_load(tmp_path, medusa):
     torch.save(full, out / "medusa_lm_head.pt")
     (out / "config.json").write_text(json.dumps({"medusa_num_heads": ours.num_heads, "medusa_num_layers": 1,
                                                  "hidden_size": ours.hidden, "vocab_size": v}))
-    theirs = NumpyHeads(out)
+    theirs = HeadRunner(out)
     hidden = np.random.default_rng(0).normal(size=(2, ours.hidden)).astype(np.float32)
     for (a_ids, _), (b_ids, _) in zip(ours.top(hidden, 1), theirs.top(hidden, 1)):
         np.testing.assert_array_equal(a_ids, b_ids)  # the same first choice over the full vocabulary

@@ -311,3 +311,29 @@ def test_tensorrt_profiles_and_bindings_carry_the_tree_mask():
                 "past_key_0": 1000, "past_value_0": 2000}
     shapes, addresses = call_bindings(model, model["kv_aliases"], 2, 17, pointers, first_row=0, row_bytes=10)
     assert shapes["tree_mask"] == [2, 17, 17] and addresses["tree_mask"] == 4 and addresses["hidden_states"] == 5
+
+
+def test_served_streams_with_trees_are_the_target_only_text(tree_engine, perturbed_export):
+    """The OpenAI server over a tree-drafting scheduler: concurrent streamed completions, each equal to target-only
+    decoding (the official client, a real server on 127.0.0.1)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from conftest import Server
+    from trtspec import Scheduler
+    from trtspec.server import create_app
+
+    target = tree_engine("llama-gqa-rope3")
+    draft = load_engine(perturbed_export("llama-gqa-rope3", 0.3))
+    reference = [r.text for r in Generator(target).generate(PROMPTS, max_new_tokens=24)]
+    scheduler = Scheduler(target, draft, num_draft_tokens=3, k_policy="fixed", tree_width=3)
+    with Server(create_app(scheduler, model_name="tiny")) as s:
+        client = s.client()
+
+        def stream(prompt):
+            chunks = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0, stream=True)
+            return "".join(c.choices[0].text for c in chunks if c.choices)
+
+        with ThreadPoolExecutor(3) as pool:
+            texts = list(pool.map(stream, PROMPTS))
+    assert texts == reference
+    assert sum(scheduler.stats().tree_shapes.values()) > 0

@@ -28,12 +28,11 @@ class Eagle3Drafter:
         model = head.manifest["model"]
         if model.get("head") != "eagle3":
             raise ArtifactError(f"{head.path} is not an exported EAGLE-3 head (trtspec export-head)")
-        have = (target.manifest["model"].get("hidden_states") or {}).get("layers")
-        if have != model["target_layers"]:
-            raise ArtifactError(
-                f"the head reads the target's hidden states {model['target_layers']} but the target outputs "
-                f"{have or 'none'}; re-export the target with --hidden-states "
-                f"{','.join(map(str, model['target_layers']))}")
+        from . import feature_columns
+
+        size = model["extra_inputs"]["features"] // len(model["target_layers"])
+        # the columns of the target's hidden_states output the head reads (it may output more layers)
+        self.columns = feature_columns(target.manifest["model"], model["target_layers"], size, "the EAGLE-3 head")
         self.engine = head
         self.pad_id = pad_id
         self.to_target = draft_to_target(head)
@@ -93,7 +92,7 @@ class Eagle3Drafter:
             if start > self.known[r] or not len(f):
                 continue  # (a gap: this row drafts no more; nothing is lost but speed)
             self.fed[r] = min(self.fed[r], start)  # a position seen again: its pair is fed again
-            self._append(r, start, f)
+            self._append(r, start, f[:, self.columns])
 
     def accepted(self, valid):
         pass
@@ -151,10 +150,13 @@ class Eagle3Drafter:
         tree = self.tree_width > 1
         drafts = np.zeros((b, k), np.int64)
         branches = [([], []) for _ in range(b)]
+        plain = [not tree and samplers[r].plain and samplers[r].mode == "greedy" for r in range(b)]
         for j in range(k):
-            full = self._target_logits(last)
+            full = None if all(plain) else self._target_logits(last)
             for r in np.flatnonzero(counts > j):
-                if tree:
+                if plain[r]:  # the argmax over the head's vocabulary, as a target id
+                    drafts[r, j] = self.to_target[int(last[r].argmax())]
+                elif tree:
                     drafts[r, j], lp, others = samplers[r].propose_branches(full[r], int(n[r]) + j, self.tree_width)
                     branches[r][0].append(lp)
                     branches[r][1].append(others)
@@ -204,9 +206,9 @@ class MedusaDrafter:
 
     def __init__(self, heads, target, *, tree_nodes: int | None = None):
         from . import feature_columns
-        from .medusa import NumpyHeads
+        from .medusa import HeadRunner
 
-        self.heads = heads if isinstance(heads, NumpyHeads) else NumpyHeads(heads)
+        self.heads = heads if isinstance(heads, HeadRunner) else HeadRunner(heads)
         model = target.manifest["model"]
         if self.heads.vocab != target.vocab_size or self.heads.hidden * 1 != _hidden_size(target):
             raise ArtifactError(f"these Medusa heads are for a model of hidden size {self.heads.hidden} and "

@@ -25,6 +25,7 @@ import numpy as np
 
 from ..errors import ArtifactError
 from ..manifest import EXPORT_FORMAT, atomic_artifact, read_manifest, versions
+from . import feature_columns
 
 log = logging.getLogger("trtspec.export")
 GRAPH = "model.onnx"
@@ -96,17 +97,14 @@ def export_head(head_dir, out_dir, *, target, target_model=None, max_seq_len: in
         raise ArtifactError(f"{target} is a draft head, not a target model")
     head, config = load_head(head_dir, target_dir=target_model or _model_dir(tm))
     layers = config.target_layers or default_layers(model["num_layers"])
-    have = (model.get("hidden_states") or {}).get("layers")
-    if have != layers:
-        raise ArtifactError(
-            f"the head reads the target's hidden states {layers} but {target} outputs {have or 'none'}; re-export "
-            f"the target with --hidden-states {','.join(map(str, layers))}")
+    feature_columns(model, layers, config.target_hidden_size, "the EAGLE-3 head")  # refuses a target without them
     if config.vocab_size != model["vocab_size"]:
         raise ArtifactError(f"the head's vocabulary has {config.vocab_size} tokens, the target's {model['vocab_size']}: "
                             "this head was trained for another model")
-    if 3 * config.target_hidden_size != model["hidden_states"]["size"]:
-        raise ArtifactError(f"the head reads {3 * config.target_hidden_size} feature values per token, the target "
-                            f"outputs {model['hidden_states']['size']}")
+    per_layer = model["hidden_states"]["size"] // len(model["hidden_states"]["layers"])
+    if config.target_hidden_size != per_layer:
+        raise ArtifactError(f"the head reads hidden states of {config.target_hidden_size} values per layer, the target's "
+                            f"have {per_layer}: this head was trained for another model")
     max_seq_len = max_seq_len or model["max_seq_len"]
     max_batch = max_batch or model["max_batch"]
     step = _step_module(head, max_seq_len)

@@ -8,8 +8,8 @@ Each head is a residual block, x + SiLU(W x + b), and an lm_head; the target's o
 
 with config ``medusa_num_heads``, ``medusa_num_layers`` (1), ``hidden_size``, ``vocab_size`` and, for heads over a
 reduced vocabulary (trtspec's default: the most frequent tokens of the training text), ``draft_vocab_size`` and
-``d2t`` in the weights (target id = head id + d2t[head id]). Drafting runs the heads in numpy: one [H] state ->
-K small matmuls per row, far below a target call.
+``d2t`` in the weights (target id = head id + d2t[head id]). Drafting runs the heads as a small onnxruntime
+graph (HeadRunner): one [H] state -> K small products per row, far below a target call.
 """
 
 from __future__ import annotations
@@ -64,8 +64,12 @@ def save_heads(heads, path) -> None:
     (path / CONFIG).write_text(json.dumps(heads.config, indent=2))
 
 
-class NumpyHeads:
-    """The heads for drafting: ``top(hidden [B, H], k)`` -> per head (target ids [B, k], log-probabilities [B, k])."""
+class HeadRunner:
+    """The heads for drafting: ``top(hidden [B, H], k)`` -> per head (target ids [B, k], log-probabilities [B, k]).
+
+    They run as a small onnxruntime graph on one thread without spinning: numpy's BLAS would start threads of
+    its own for these products, whose spinning between calls took the cores from the target's next call (a
+    9-token verify measured 5.3 ms instead of 4.0 on the bundled target)."""
 
     def __init__(self, path):
         path = Path(path)
@@ -94,20 +98,42 @@ class NumpyHeads:
         self.to_target = np.arange(size) + (d2t.astype(np.int64) if d2t is not None else 0)
         if self.to_target.max() >= self.vocab:
             raise ArtifactError(f"{path}: its vocabulary map points past the model's {self.vocab} tokens")
+        self._sessions: dict[int, object] = {}  # k -> session
+
+    def _session(self, k: int):
+        if k not in self._sessions:
+            import onnxruntime as ort
+            from onnx import TensorProto, helper, numpy_helper
+
+            nodes, inits, outputs = [], [], []
+            for i, ((w, b), lm) in enumerate(zip(self.blocks, self.heads)):
+                inits += [numpy_helper.from_array(w, f"w{i}"), numpy_helper.from_array(b, f"b{i}"),
+                          numpy_helper.from_array(lm, f"lm{i}")]
+                nodes += [helper.make_node("MatMul", ["hidden", f"w{i}"], [f"x{i}"]),
+                          helper.make_node("Add", [f"x{i}", f"b{i}"], [f"xb{i}"]),
+                          helper.make_node("Sigmoid", [f"xb{i}"], [f"s{i}"]),
+                          helper.make_node("Mul", [f"xb{i}", f"s{i}"], [f"silu{i}"]),
+                          helper.make_node("Add", ["hidden", f"silu{i}"], [f"r{i}"]),
+                          helper.make_node("MatMul", [f"r{i}", f"lm{i}"], [f"logits{i}"]),
+                          helper.make_node("LogSoftmax", [f"logits{i}"], [f"lp{i}"], axis=-1),
+                          helper.make_node("TopK", [f"lp{i}", "k"], [f"values{i}", f"indices{i}"], axis=-1)]
+                outputs += [helper.make_tensor_value_info(f"values{i}", TensorProto.FLOAT, None),
+                            helper.make_tensor_value_info(f"indices{i}", TensorProto.INT64, None)]
+            inits.append(numpy_helper.from_array(np.array([min(k, self.heads[0].shape[1])], np.int64), "k"))
+            graph = helper.make_graph(nodes, "medusa", [helper.make_tensor_value_info(
+                "hidden", TensorProto.FLOAT, [None, self.hidden])], outputs, inits)
+            model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+            so = ort.SessionOptions()
+            so.intra_op_num_threads = 1
+            so.inter_op_num_threads = 1
+            so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+            so.log_severity_level = 3
+            self._sessions[k] = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        return self._sessions[k]
 
     def top(self, hidden: np.ndarray, k: int):
-        out = []
-        for (w, b), lm in zip(self.blocks, self.heads):
-            x = hidden @ w + b
-            x = hidden + x / (1.0 + np.exp(-x))
-            logits = x @ lm
-            logits -= logits.max(-1, keepdims=True)
-            lp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
-            idx = np.argpartition(-lp, k - 1, axis=-1)[:, :k] if k < lp.shape[-1] else np.tile(np.arange(lp.shape[-1]), (lp.shape[0], 1))
-            vals = np.take_along_axis(lp, idx, -1)
-            order = np.argsort(-vals, -1, kind="stable")
-            out.append((self.to_target[np.take_along_axis(idx, order, -1)], np.take_along_axis(vals, order, -1)))
-        return out
+        res = self._session(k).run(None, {"hidden": np.ascontiguousarray(hidden, np.float32)})
+        return [(self.to_target[res[2 * i + 1]], res[2 * i]) for i in range(self.num_heads)]
 
 
 def _load(path: Path) -> dict:

@@ -158,7 +158,7 @@ class Scheduler:
 
             self.drafter = Eagle3Drafter(self.draft, self.target, self.pad_id, tree_width=self.tree_width,
                                          tree_nodes=tree_nodes)
-        elif drafter == "medusa":  # heads run in numpy: no draft engine
+        elif drafter == "medusa":  # the heads run in a small graph of their own: no draft engine
             from ..heads.drafter import MedusaDrafter
 
             self.drafter = MedusaDrafter(draft, self.target, tree_nodes=tree_nodes)
