@@ -167,7 +167,7 @@ def test_invalid_drafting_options_are_refused(target, exported):
     with pytest.raises(ValueError, match="num_draft_tokens=64 is not supported"):
         Generator(target, exported(ARCH), num_draft_tokens=S_MAX)
     with pytest.raises(ValueError, match="unknown drafter"):
-        Generator(target, drafter="medusa")
+        Generator(target, drafter="lookahead")
     with pytest.raises(ValueError, match="needs a draft model"):
         Generator(target, drafter="draft")
 
