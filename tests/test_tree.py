@@ -335,5 +335,10 @@ def test_served_streams_with_trees_are_the_target_only_text(tree_engine, perturb
 
         with ThreadPoolExecutor(3) as pool:
             texts = list(pool.map(stream, PROMPTS))
+        import httpx
+
+        metrics = httpx.get(s.url + "/metrics").text
     assert texts == reference
-    assert sum(scheduler.stats().tree_shapes.values()) > 0
+    shapes = scheduler.stats().tree_shapes
+    assert sum(shapes.values()) > 0  # and the chosen shapes are exported to Prometheus
+    assert all(f'trtspec_rounds_by_tree_shape{{shape="{k}"}} {float(v)}' in metrics for k, v in shapes.items())

@@ -36,6 +36,11 @@ class _SchedulerCollector:
         for kk, n in sorted(s.k_histogram.items()):
             k.add_metric([str(kk)], n)
         yield k
+        tree = GaugeMetricFamily("trtspec_rounds_by_tree_shape", "Rounds that verified a token tree, by its shape",
+                                 labels=["shape"])
+        for shape, n in sorted(s.tree_shapes.items()):
+            tree.add_metric([str(shape)], n)
+        yield tree
 
 
 class Metrics:
