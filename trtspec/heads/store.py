@@ -13,7 +13,8 @@ def store_half(src, dst) -> Path:
     src, dst = Path(src), Path(dst)
     if dst.exists():
         shutil.rmtree(dst)
-    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(".distill", "distill_report.json"))
+    # (no tokenizer copy: a head uses its target's)
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(".distill", "distill_report.json", "tokenizer"))
     for f in dst.glob("*.safetensors"):
         state = load_file(str(f))
         save_file({k: v.half() if v.is_floating_point() else v for k, v in state.items()}, str(f))
