@@ -7,7 +7,6 @@ from pathlib import Path
 
 
 def store_half(src, dst) -> Path:
-    import torch
     from safetensors.torch import load_file, save_file
 
     src, dst = Path(src), Path(dst)
