@@ -84,6 +84,7 @@ class LoadAwareK:
         self.checked: dict[int, int] = {w: 0 for w in self.widths}
         self.accepted: dict[int, int] = {w: 0 for w in self.widths}
         self.target = CallCosts()
+        self.tree_target = CallCosts()  # tree calls apart: on onnxruntime they run another graph than chains do
         self.draft = CallCosts()
         self.rounds: dict[tuple, list[float]] = {}  # (b, k, width) -> [mean tokens, mean seconds, rounds]
         self.since_probe: dict[int, int] = {}
@@ -119,7 +120,8 @@ class LoadAwareK:
 
     def _estimated_cost(self, b: int, k: int, width: int = 1) -> float:
         size = self.tree_size(k, width)
-        target = self.target.estimate(b, size + 1)
+        costs = self.tree_target if width > 1 and self.tree_target.means else self.target
+        target = costs.estimate(b, size + 1)
         if target is None:  # nothing measured: relative units, decode call = 1
             target = 1 + _PRIOR_SLOPE * (b * (size + 1) - 1)
         if k == 0:

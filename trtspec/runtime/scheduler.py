@@ -781,7 +781,7 @@ class Scheduler:
     def _learn_calls(self, b, width, verify_s, proposal, per_draft_token_s):
         """Tell the load-aware policy what a round's calls cost (before its acceptance is known): the draft
         engine's calls at their sizes (a long catch-up is not a token), or per token of a drafter without one."""
-        self.policy.target.record(b, width, verify_s)
+        (self.policy.target if proposal.parents is None else self.policy.tree_target).record(b, width, verify_s)
         for calls, tokens, seconds in proposal.calls:
             self.policy.draft.record(calls, tokens, seconds)
         if not proposal.calls and proposal.drafts.shape[1]:
