@@ -158,6 +158,46 @@ def init_embeddings(draft, target) -> str:
         return f"the target's embedding on its top {h} principal directions ({kept:.0%} of its variance)"
 
 
+def load_text(tokenizer, data, heldout, pattern: str, seq: int, vocab_size: int, say):
+    """The training and held-out token streams of ``data`` (held out: ``heldout``, else files whose path hashes to
+    0 mod 20; too little held out: the last 5 % of the stream) -> (train_ids, held_ids, train_files, held_files)."""
+    files = collect_files(data, pattern)
+    if heldout is not None:
+        held_files = [p for p, _ in collect_files(heldout, pattern)]
+        held_set = {p.resolve() for p in held_files}
+        train_files = [p for p, _ in files if p.resolve() not in held_set]
+    else:
+        train_files = [p for p, key in files if not heldout_key(key)]
+        held_files = [p for p, key in files if heldout_key(key)]
+    if not train_files:
+        raise DistillError(f"no training text: no {pattern} files under {', '.join(map(str, data))}")
+    t0 = time.perf_counter()
+    train_ids = encode_files(tokenizer, train_files)
+    held_ids = encode_files(tokenizer, held_files) if held_files else np.zeros(0, np.int32)
+    if held_ids.size < seq + 1:  # too little held out: keep the last 5 % of the stream aside instead
+        cut = int(train_ids.size * 0.95)
+        train_ids, held_ids = train_ids[:cut], train_ids[cut:]
+    if train_ids.size < seq + 2:
+        raise DistillError(f"the training text is {train_ids.size} tokens; at least {seq + 2} are needed "
+                           f"(or pass a smaller seq)")
+    if int(train_ids.max()) >= vocab_size:
+        raise DistillError(f"the tokenizer produced id {int(train_ids.max())} >= the model's vocabulary {vocab_size}")
+    say(f"[distill] {len(train_files)} training files ({train_ids.size:,} tokens), {len(held_files)} held out "
+        f"({held_ids.size:,} tokens); tokenized in {time.perf_counter() - t0:.1f} s")
+    return train_ids, held_ids, train_files, held_files
+
+
+def frozen_teacher(target):
+    """The target in float32, in eval mode, without gradients."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    teacher = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    return teacher
+
+
 # -- losses and evaluation ---------------------------------------------------------------------------------------------
 def kd_loss(draft_logits, target_logits, labels, temperature: float, kd_weight: float):
     """kd_weight * T^2 KL(target_T || draft_T) + (1 - kd_weight) * CE(draft, labels), mean per token."""
@@ -290,33 +330,9 @@ def distill(target, out, data, *, heldout=None, pattern: str = "*.py", layers: i
     if threads:
         torch.set_num_threads(threads)
 
-    files = collect_files(data, pattern)
-    if heldout is not None:
-        held_files = [p for p, _ in collect_files(heldout, pattern)]
-        held_set = {p.resolve() for p in held_files}
-        train_files = [p for p, _ in files if p.resolve() not in held_set]
-    else:
-        train_files = [p for p, key in files if not heldout_key(key)]
-        held_files = [p for p, key in files if heldout_key(key)]
-    if not train_files:
-        raise DistillError(f"no training text: no {pattern} files under {', '.join(map(str, data))}")
-    t0 = time.perf_counter()
-    train_ids = encode_files(tokenizer, train_files)
-    held_ids = encode_files(tokenizer, held_files) if held_files else np.zeros(0, np.int32)
-    if held_ids.size < seq + 1:  # too little held out: keep the last 5 % of the stream aside instead
-        cut = int(train_ids.size * 0.95)
-        train_ids, held_ids = train_ids[:cut], train_ids[cut:]
-    if train_ids.size < seq + 2:
-        raise DistillError(f"the training text is {train_ids.size} tokens; at least {seq + 2} are needed "
-                           f"(or pass a smaller seq)")
-    if int(train_ids.max()) >= spec.vocab_size:
-        raise DistillError(f"the tokenizer produced id {int(train_ids.max())} >= the model's vocabulary {spec.vocab_size}")
-    say(f"[distill] {len(train_files)} training files ({train_ids.size:,} tokens), {len(held_files)} held out "
-        f"({held_ids.size:,} tokens); tokenized in {time.perf_counter() - t0:.1f} s")
+    train_ids, held_ids, train_files, held_files = load_text(tokenizer, data, heldout, pattern, seq, spec.vocab_size, say)
 
-    teacher = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    for p in teacher.parameters():
-        p.requires_grad_(False)
+    teacher = frozen_teacher(target)
     config = draft_config(target_config, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
                           intermediate=intermediate)
     torch.manual_seed(seed)

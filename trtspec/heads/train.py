@@ -16,14 +16,16 @@ from pathlib import Path
 
 import numpy as np
 
-from ..distill import (REPORT, WORK, DistillError, _check_out_dir, collect_files, encode_files, heldout_key,
-                       heldout_prompts)
+from ..distill import REPORT, WORK, DistillError, _check_out_dir, frozen_teacher, heldout_prompts, load_text
 from ..training import TrainConfig, TrainLoop, random_windows
 
 EAGLE3_STEP_WEIGHT = 0.8  # the loss of drafted position j weighs 0.8^j (EAGLE-3's choice)
 
 
-def _data(target: Path, data, heldout, pattern: str, seq: int, say):
+def _prepare(target: Path, out: Path, data, heldout, pattern: str, seq: int, draft_vocab: int, threads, say):
+    """What both head trainers start with: the checks, the text (distill's rules) and the frozen target.
+    -> (spec, tokenizer, train_ids, held_ids, held_files, teacher)"""
+    import torch
     from transformers import AutoConfig, AutoTokenizer
 
     from ..exporter.architectures import arch_spec
@@ -31,37 +33,14 @@ def _data(target: Path, data, heldout, pattern: str, seq: int, say):
     if not (target / "config.json").is_file():
         raise DistillError(f"{target} has no config.json; pass the target's Hugging Face model directory")
     spec = arch_spec(AutoConfig.from_pretrained(target))
+    if not 1 <= draft_vocab <= spec.vocab_size:
+        raise DistillError(f"draft_vocab must lie in [1, {spec.vocab_size}], got {draft_vocab}")
+    _check_out_dir(out)
+    if threads:
+        torch.set_num_threads(threads)
     tokenizer = AutoTokenizer.from_pretrained(target)
-    files = collect_files(data, pattern)
-    if heldout is not None:
-        held_files = [p for p, _ in collect_files(heldout, pattern)]
-        held_set = {p.resolve() for p in held_files}
-        train_files = [p for p, _ in files if p.resolve() not in held_set]
-    else:
-        train_files = [p for p, key in files if not heldout_key(key)]
-        held_files = [p for p, key in files if heldout_key(key)]
-    if not train_files:
-        raise DistillError(f"no training text: no {pattern} files under {', '.join(map(str, data))}")
-    train_ids = encode_files(tokenizer, train_files)
-    held_ids = encode_files(tokenizer, held_files) if held_files else np.zeros(0, np.int32)
-    if held_ids.size < seq + 1:
-        cut = int(train_ids.size * 0.95)
-        train_ids, held_ids = train_ids[:cut], train_ids[cut:]
-    if train_ids.size < seq + 2:
-        raise DistillError(f"the training text is {train_ids.size} tokens; at least {seq + 2} are needed")
-    say(f"[distill] {len(train_files)} training files ({train_ids.size:,} tokens), {len(held_files)} held out "
-        f"({held_ids.size:,} tokens)")
-    return spec, tokenizer, train_ids, held_ids, held_files
-
-
-def _teacher(target: Path):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    teacher = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    for p in teacher.parameters():
-        p.requires_grad_(False)
-    return teacher
+    train_ids, held_ids, _, held_files = load_text(tokenizer, data, heldout, pattern, seq, spec.vocab_size, say)
+    return spec, tokenizer, train_ids, held_ids, held_files, frozen_teacher(target)
 
 
 def eagle3_targets(teacher, windows, layers, draft_ids):
@@ -94,13 +73,8 @@ def distill_eagle3(target, out, data, *, heldout=None, pattern: str = "*.py", dr
         steps = 600
     if ttt_steps < 1:
         raise DistillError(f"ttt_steps must be >= 1, got {ttt_steps}")
-    _check_out_dir(out)
-    if threads:
-        torch.set_num_threads(threads)
-    spec, tokenizer, train_ids, held_ids, held_files = _data(target, data, heldout, pattern, seq, say)
-    if not 1 <= draft_vocab <= spec.vocab_size:
-        raise DistillError(f"draft_vocab must lie in [1, {spec.vocab_size}], got {draft_vocab}")
-    teacher = _teacher(target)
+    spec, tokenizer, train_ids, held_ids, held_files, teacher = _prepare(target, out, data, heldout, pattern, seq,
+                                                                          draft_vocab, threads, say)
     tc = teacher.config
     layers = default_layers(spec.num_layers)
     config = Eagle3Config(hidden_size=spec.hidden_size, intermediate_size=intermediate or min(tc.intermediate_size, 2 * spec.hidden_size),
@@ -261,13 +235,8 @@ def distill_medusa(target, out, data, *, heldout=None, pattern: str = "*.py", nu
         steps = 400
     if num_heads < 1:
         raise DistillError(f"num_heads must be >= 1, got {num_heads}")
-    _check_out_dir(out)
-    if threads:
-        torch.set_num_threads(threads)
-    spec, tokenizer, train_ids, held_ids, held_files = _data(target, data, heldout, pattern, seq, say)
-    if not 1 <= draft_vocab <= spec.vocab_size:
-        raise DistillError(f"draft_vocab must lie in [1, {spec.vocab_size}], got {draft_vocab}")
-    teacher = _teacher(target)
+    spec, tokenizer, train_ids, held_ids, held_files, teacher = _prepare(target, out, data, heldout, pattern, seq,
+                                                                          draft_vocab, threads, say)
     torch.manual_seed(seed)
     heads = make_heads(spec.hidden_size, spec.vocab_size, draft_vocab, num_heads)
     d2t, _ = draft_vocabulary(train_ids, spec.vocab_size, draft_vocab)

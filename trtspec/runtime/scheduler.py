@@ -630,11 +630,7 @@ class Scheduler:
             ids[:, 1:] = np.where(np.arange(width - 1) < counts[:, None], drafts[:, : width - 1], self.pad_id)
         logits = self.target.forward(ids, (n - 1)[:, None] + np.arange(width))
         t2 = time.perf_counter()
-        stats.rounds += 1
-        stats.target_calls += 1
-        stats.draft_calls += len(proposal.calls)
-        stats.verify_s += t2 - t1
-        stats.draft_s += t1 - t0
+        self._count_round(proposal, t0, t1, t2)
         learn = policy is not None and not forced  # forced tokens say nothing about drafting
         if learn:
             self._learn_calls(b, width, t2 - t1, proposal, (t1 - t0) / max(drafts.shape[1], 1))
@@ -647,15 +643,7 @@ class Scheduler:
             m = int(counts[s])
             q = None if proposal.probs is None or (forced and s in forced) else proposal.probs[s, :m]
             a, x = r.sampler.verify(drafts[s, :m], q, logits[s, : m + 1], int(n[s]))
-            r.stats.rounds += 1
-            if forced and s in forced:
-                r.stats.forced_tokens += a
-            else:
-                r.stats.record_accept(a, m)
-                if m and policy is not None:
-                    policy.record_acceptance(m, a)
-                stats.proposed += m
-                stats.accepted += a
+            self._record_verdict(r, bool(forced and s in forced), a, m, 1)
             n_before = int(n[s])
             self._emit(s, r, [*drafts[s, :a].tolist(), x])
             valid[s] = min(n_before + a, int(n[s]))  # the cache holds the verified tokens, not the last one
@@ -666,6 +654,28 @@ class Scheduler:
         self.drafter.accepted(valid)
         if learn:
             self._learn_round(b, k, proposal, stats.generated_tokens - emitted, time.perf_counter() - t0)
+
+    def _count_round(self, proposal, t0, t1, t2):
+        """A round's one target call and its drafting in the scheduler's counters (t0..t1 drafting, t1..t2 verify)."""
+        stats = self._stats
+        stats.rounds += 1
+        stats.target_calls += 1
+        stats.draft_calls += len(proposal.calls)
+        stats.verify_s += t2 - t1
+        stats.draft_s += t1 - t0
+
+    def _record_verdict(self, r, forced: bool, accepted: int, proposed: int, width: int):
+        """One row's verdict in its request's and the scheduler's statistics and the load-aware policy's acceptance
+        (``proposed``: drafts of a chain, the deepest path of a tree); forced tokens count apart."""
+        r.stats.rounds += 1
+        if forced:
+            r.stats.forced_tokens += accepted
+            return
+        r.stats.record_accept(accepted, proposed)
+        if proposed and self.policy is not None:
+            self.policy.record_acceptance(proposed, accepted, width)
+        self._stats.proposed += proposed
+        self._stats.accepted += accepted
 
     def _verify_tree(self, rows, proposal, forced, k, t0, t1):
         """The rest of a round whose drafts form trees: ONE target call over [last token, nodes...] per row with
@@ -687,11 +697,7 @@ class Scheduler:
         mask, depth = tree_positions(call_parents)
         logits = self.target.forward(ids, (n - 1)[:, None] + depth, tree_mask=mask)
         t2 = time.perf_counter()
-        stats.rounds += 1
-        stats.target_calls += 1
-        stats.draft_calls += len(proposal.calls)
-        stats.verify_s += t2 - t1
-        stats.draft_s += t1 - t0
+        self._count_round(proposal, t0, t1, t2)
         stats.tree_shapes[proposal.shape] = stats.tree_shapes.get(proposal.shape, 0) + 1
         learn = policy is not None and not forced
         if learn:
@@ -707,15 +713,7 @@ class Scheduler:
             path, x = r.sampler.verify_tree(drafts[s, :m], parents[s, :m], logits[s, : m + 1], int(n[s]))
             a = len(path)
             deepest = int(depth[s, : m + 1].max())  # the most this tree could have given
-            r.stats.rounds += 1
-            if forced and s in forced:
-                r.stats.forced_tokens += a
-            else:
-                r.stats.record_accept(a, deepest)
-                if deepest and policy is not None:
-                    policy.record_acceptance(deepest, a, self._width)
-                stats.proposed += deepest
-                stats.accepted += a
+            self._record_verdict(r, bool(forced and s in forced), a, deepest, self._width)
             n_before = int(n[s])
             if path != list(range(a)):  # the accepted nodes' K/V to the slots their positions give
                 self.target.keep_path(s, n_before - 1, [0, *[j + 1 for j in path]])
