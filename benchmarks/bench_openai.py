@@ -78,16 +78,16 @@ def main(argv=None):
     mask_s = []
     original = grammar_module.Constraint.mask
 
-    def timed_mask(self, x):
+    def timed_mask(self, x, key=None):
         t0 = time.perf_counter()
-        original(self, x)
+        original(self, x, key)
         mask_s.append(time.perf_counter() - t0)
 
     grammar_module.Constraint.mask = timed_mask
     rows = {"logprobs off": [], "logprobs on (5)": [],
             "json_schema greedy, draft": [], "json_schema greedy, no draft": [],
             "json_schema sampled, draft": [], "json_schema sampled, no draft": []}
-    tokens, invalid, decode_ms, forced, calls = {}, 0, [], {}, {}
+    tokens, invalid, decode_ms, forced, calls, k_rounds, accepted = {}, 0, [], {}, {}, {}, {}
     spec.generate(heldout[:2], max_new_tokens=16)  # warm-up
     spec.generate(PROMPTS[0], max_new_tokens=16, response_format=fmt)
     for rnd in range(args.rounds):
@@ -99,7 +99,11 @@ def main(argv=None):
         if rnd % 2:
             runs = runs[::-1]  # alternate the order between rounds
         for name, prompts, kw in runs:
+            before = dict(spec.scheduler.stats().k_histogram)
             out, seconds = timed(spec, prompts, max_new_tokens=args.max_tokens, **kw)
+            after = spec.scheduler.stats().k_histogram
+            k_rounds[name] = {k: v - before.get(k, 0) for k, v in sorted(after.items()) if v > before.get(k, 0)}
+            accepted[name] = sum(r.stats.accepted for r in out), sum(r.stats.accepted + r.stats.rejected for r in out)
             n = sum(len(r.token_ids) for r in out)
             rows[name].append(n / seconds)
             tokens[name] = n
@@ -124,6 +128,7 @@ def main(argv=None):
     med = {name: statistics.median(v) for name, v in rows.items()}
     res = {"rounds": args.rounds, "max_tokens": args.max_tokens, "tok_s_median": med, "tok_s_rounds": rows,
            "tokens": tokens, "forced_tokens": forced, "target_calls": calls, "invalid_documents": invalid,
+           "k_rounds_last": k_rounds, "accepted_checked_last": accepted,
            "decode_step_ms": decode, "mask_us_median": mask_us, "mask_calls": len(mask_s),
            "ratios": {"logprobs on / off": med["logprobs on (5)"] / med["logprobs off"],
                       "json greedy draft / no draft": med["json_schema greedy, draft"] / med["json_schema greedy, no draft"],
@@ -131,9 +136,12 @@ def main(argv=None):
                                                         / med["json_schema sampled, no draft"]),
                       "mask / decode step": mask_us / 1e3 / decode}}
     lines = [f"# The OpenAI surface's costs (bundled pair, 2 threads, {args.rounds} alternating rounds, medians)", "",
-             "| run | tok/s | tokens | forced tokens | target calls |", "|---|---|---|---|---|"]
+             "| run | tok/s | tokens | forced tokens | target calls | drafts accepted / checked | rounds by k |",
+             "|---|---|---|---|---|---|---|"]
     for name, v in med.items():
-        lines.append(f"| {name} | {v:.1f} | {tokens[name]} | {forced[name]} | {calls[name]} |")
+        acc, checked = accepted[name]
+        ks = " ".join(f"{k}:{c}" for k, c in k_rounds[name].items())
+        lines.append(f"| {name} | {v:.1f} | {tokens[name]} | {forced[name]} | {calls[name]} | {acc} / {checked} | {ks} |")
     r = res["ratios"]
     lines += ["", f"- logprobs on / off: {r['logprobs on / off']:.3f}",
               f"- json_schema with the draft / without: greedy {r['json greedy draft / no draft']:.2f}x, "

@@ -225,3 +225,72 @@ def test_invalid_processing_parameters_are_refused(plain):
                          "Invalid type: bogus")]:
         with pytest.raises(ValueError, match=message):
             plain.generate(PROMPTS[0], **{"max_new_tokens": 10, **kw})
+
+
+def _exact_joint_constrained(model, constraint_of, prompt_ids, params, eos):
+    """P(output text) under the grammar-masked target distribution, every token path walked to the grammar's end."""
+    joint = {}
+
+    def walk(prefix, prob):
+        c = constraint_of()
+        for t in prefix:
+            c.consume(t)
+        if c.finished:
+            text = tuple(prefix)
+            joint[text] = joint.get(text, 0.0) + prob
+            return
+        x = hf_logits(model, prompt_ids + prefix)[-1].astype(np.float32)
+        c.mask(x)
+        p = params.probs(x)
+        for t in np.flatnonzero(p):
+            walk(prefix + [int(t)], prob * p[t])
+
+    walk([], 1.0)
+    return joint
+
+
+def test_grammar_rounds_verify_forced_tokens_then_drafts_and_rejection_sampling_stays_exact(
+        exported, perturbed_export, model_dir, hf_model):
+    """Under a grammar, a round verifies the tokens it forces and then drafts proposed after them, and the chain
+    takes forced tokens without asking the draft: greedy output equals target-only output, and rejection sampling
+    follows the grammar-masked target distribution exactly (chi-square over whole outputs)."""
+    from trtspec.runtime import SamplingParams
+
+    options = {"max_seq_len": 24, "max_batch": 64}
+    target = load_engine(exported(ARCH, **options))
+    draft = load_engine(perturbed_export(ARCH, 0.5, **options))
+    fmt = {"type": "regex", "regex": "(ab|cd|ef) = (xa|yb|zc)"}
+    gen = Generator(target, draft, num_draft_tokens=3, k_policy="fixed", sampling="rejection")
+    mixed = []  # per forced row: (forced tokens, tokens verified)
+    constrain = gen.scheduler._constrain
+
+    def recording(rows, proposal, forced):
+        constrain(rows, proposal, forced)
+        mixed.extend((len(t), int(proposal.counts[s])) for s, t in (forced or {}).items())
+
+    gen.scheduler._constrain = recording
+    plain = Generator(target)
+    prompt = "def"
+    greedy = [r.text for r in plain.generate([prompt, "x"], max_new_tokens=16, response_format=fmt)]
+    assert [r.text for r in gen.generate([prompt, "x"], max_new_tokens=16, response_format=fmt)] == greedy
+    params = SamplingParams(temperature=1.5, top_k=4)
+    eos = set(target.manifest["model"]["special_tokens"]["eos_token_ids"])
+    compiler = gen.scheduler._grammar_compiler()
+    joint_ids = _exact_joint_constrained(hf_model(model_dir(ARCH)), lambda: compiler.constraint(fmt),
+                                         gen.tokenizer(prompt)["input_ids"], params, eos)
+    joint = {}
+    for ids, p in joint_ids.items():  # the same text by another tokenization is the same outcome
+        text = gen.tokenizer.decode(list(ids))
+        joint[text] = joint.get(text, 0.0) + p
+    counts, accepted, proposed = {}, 0, 0
+    for i in range(10_240 // 64):
+        out = gen.generate([prompt] * 64, max_new_tokens=16, temperature=1.5, top_k=4, seed=64 * i, response_format=fmt)
+        accepted, proposed = accepted + out.stats.accepted, proposed + out.stats.proposed
+        for r in out:
+            counts[r.text] = counts.get(r.text, 0) + 1
+    gen.close()
+    plain.close()
+    assert any(verified > f for f, verified in mixed)  # forced tokens and drafts after them, in one call
+    assert 0.02 < accepted / proposed < 0.95
+    assert set(counts) <= set(joint) and len(joint) > 3
+    assert _chi_square_p_value(counts, joint) > ALPHA

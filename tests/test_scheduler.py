@@ -195,7 +195,7 @@ def test_the_lone_row_loop_feeds_the_load_aware_policy_what_the_batch_path_does(
         gen = Generator(target, draft, num_draft_tokens=4, k_policy="load-aware")
         gen.scheduler.lone_row_loops = loops
         policy, log, script = gen.scheduler.policy, [], itertools.cycle([0, 3, 1, 4, 0, 0, 2])
-        policy.choose_shape = lambda b, caps: (min(next(script), int(caps.max())), 1)
+        policy.choose_shape = lambda b, caps, seen=None: (min(next(script), int(caps.max())), 1)
         for name in ("record_round", "record_acceptance"):
             method = getattr(policy, name)
             setattr(policy, name, lambda *a, _m=method, _n=name: log.append((_n, *a[:3])) or _m(*a))
@@ -411,6 +411,22 @@ def test_load_aware_k_drafts_when_it_pays_and_stops_when_the_batch_is_full():
     assert chosen.count(1) == 2 and set(chosen) == {0, 1}
     # a row that may draft only 2 caps the round's k for that row
     assert policy.choose(1, np.array([2])) <= 2
+
+
+def test_load_aware_k_weighs_each_rows_own_acceptance():
+    # rounds measured on rows that accept a fifth of their drafts: drafting loses to plain decoding for such rows,
+    # and the same measurements, scaled to a row that accepts 90 %, say it pays for that row
+    policy = LoadAwareK(4, [1, 2, 3, 4])
+    caps, low, high = np.array([4]), [(20, 100)], [(90, 100)]
+    for _ in range(5):
+        for k in range(5):
+            expected = policy.expected_tokens(k, caps, alphas=policy.row_alphas(low))
+            policy.record_round(1, k, expected, 2.1e-3 + 0.6e-3 * k, expected=expected)
+    assert policy.choose_shape(1, caps, low)[0] == 0
+    assert policy.choose_shape(1, caps, high)[0] == 4
+    assert policy.last_expected == pytest.approx(policy.expected_tokens(4, caps, alphas=policy.row_alphas(high)))
+    # a row with nothing checked yet starts from the policy's alpha
+    assert policy.row_alphas([(0, 0)]) == [pytest.approx(policy.alpha)]
 
 
 def test_a_stream_left_early_is_cancelled(target, alone):

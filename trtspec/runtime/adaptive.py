@@ -11,6 +11,12 @@ gets tried, and is then judged on what it really did. k = 0 (plain decoding) com
 terms, so when the batch is full enough that verify calls grow faster than acceptance pays, drafting
 stops. Every _PROBE_EVERY rounds at a batch size one neighbour of the best k is tried again, so a
 change in acceptance (another kind of prompt) is noticed.
+
+Acceptance is the rows' own: each row's alpha is its request's accepted / checked drafts, starting from the
+policy's alpha (all rows so far) as a prior. A measured rate is scaled by how many tokens the current rows are
+expected to emit against how many the rows it was measured on were (E(alpha, k) summed over the rows, both
+times), so rounds of requests that accept little (sampling, another language) do not turn drafting off for
+requests that accept much (greedy code, JSON under a grammar), nor the other way round.
 """
 
 from __future__ import annotations
@@ -86,20 +92,28 @@ class LoadAwareK:
         self.target = CallCosts()
         self.tree_target = CallCosts()  # tree calls apart: on onnxruntime they run another graph than chains do
         self.draft = CallCosts()
-        self.rounds: dict[tuple, list[float]] = {}  # (b, k, width) -> [mean tokens, mean seconds, rounds]
+        # (b, k, width) -> [mean tokens, mean seconds, rounds, mean tokens expected from the rows' acceptance]
+        self.rounds: dict[tuple, list[float]] = {}
         self.since_probe: dict[int, int] = {}
+        self.last_expected: float | None = None  # the chosen shape's expected tokens (record_round's ``expected``)
 
     def record_acceptance(self, proposed: int, accepted: int, width: int = 1):
         # alpha is per checked draft (per checked depth of a tree): drafts after the first rejection were never checked
         self.checked[width] += accepted + (accepted < proposed)
         self.accepted[width] += accepted
 
-    def record_round(self, b: int, k: int, tokens: int, seconds: float, width: int = 1):
-        """A whole decode round at batch b with k drafts: the tokens it emitted and the seconds it took."""
-        entry = self.rounds.setdefault((b, k, width), [0.0, 0.0, 0])
+    def record_round(self, b: int, k: int, tokens: int, seconds: float, width: int = 1,
+                     expected: float | None = None):
+        """A whole decode round at batch b with k drafts: the tokens it emitted and the seconds it took, and the
+        tokens its rows were expected to emit when it was chosen (``expected_tokens``; None: rows with the policy's
+        alpha)."""
+        if expected is None:
+            expected = self.expected_tokens(k, np.full(b, k), width)
+        entry = self.rounds.setdefault((b, k, width), [0.0, 0.0, 0, 0.0])
         entry[2] = min(entry[2] + 1, _MEMORY)
         entry[0] += (tokens - entry[0]) / entry[2]
         entry[1] += (seconds - entry[1]) / entry[2]
+        entry[3] += (expected - entry[3]) / entry[2]
 
     def alpha_of(self, width: int = 1) -> float:
         chain = (self.accepted[1] + _PRIOR_ALPHA * _PRIOR_WEIGHT) / (self.checked[1] + _PRIOR_WEIGHT)
@@ -112,6 +126,22 @@ class LoadAwareK:
     @property
     def alpha(self) -> float:
         return self.alpha_of(1)
+
+    def row_alphas(self, seen) -> list[float]:
+        """Each row's alpha from its request's (accepted, checked) drafts, the policy's alpha as the prior."""
+        prior = self.alpha_of(1)
+        return [(a + prior * _PRIOR_WEIGHT) / (c + _PRIOR_WEIGHT) for a, c in seen]
+
+    def expected_tokens(self, k: int, caps: np.ndarray, width: int = 1, alphas=None) -> float:
+        """Tokens a round of k drafts per row (at most ``caps``) is expected to emit: E(alpha, k) summed over rows.
+        ``alphas``: the rows' own (row_alphas), else the policy's; a tree's rows scale its alpha by theirs."""
+        base = self.alpha_of(width)
+        if alphas is None:
+            alphas = [base] * len(caps)
+        elif width > 1:
+            chain = self.alpha_of(1)
+            alphas = [min(0.99, base * a / chain) for a in alphas]
+        return sum(expected_tokens_per_call(a, int(min(k, c))) for a, c in zip(alphas, caps))
 
     def tree_size(self, k: int, width: int) -> int:
         """Nodes of a (k, width) tree: the tokens its verify call carries besides the last token."""
@@ -132,27 +162,36 @@ class LoadAwareK:
             draft = _PRIOR_DRAFT_RATIO * (decode if decode is not None else 1.0)
         return target + k * draft
 
-    def tokens_per_second(self, b: int, k: int, caps: np.ndarray, width: int = 1) -> float:
-        """Measured tokens per second of rounds at (b, k, width), or the estimate while they are too few."""
+    def tokens_per_second(self, b: int, k: int, caps: np.ndarray, width: int = 1, alphas=None) -> float:
+        """Measured tokens per second of rounds at (b, k, width), scaled to these rows' acceptance, or the
+        estimate while they are too few."""
+        expected = self.expected_tokens(k, caps, width, alphas)
         seen = self.rounds.get((b, k, width))
         if seen is not None and seen[2] >= _TRUSTED and seen[1] > 0:
-            return seen[0] / seen[1]
-        alpha = self.alpha_of(width)
-        tokens = sum(expected_tokens_per_call(alpha, int(min(k, c))) for c in caps)
-        return tokens / self._estimated_cost(b, k, width)
+            scale = expected / seen[3] if seen[3] > 0 else 1.0
+            return seen[0] * scale / seen[1]
+        return expected / self._estimated_cost(b, k, width)
 
-    def choose(self, b: int, caps: np.ndarray) -> int:
+    def choose(self, b: int, caps: np.ndarray, seen=None) -> int:
         """The best k for this round (0: plain decoding); ``caps`` [rows] bounds each row's k."""
-        return self.choose_shape(b, caps)[0]
+        return self.choose_shape(b, caps, seen)[0]
 
-    def choose_shape(self, b: int, caps: np.ndarray) -> tuple[int, int]:
-        """The best (k, width) for this round ((0, 1): plain decoding); ``caps`` [rows] bounds each row's k."""
+    def choose_shape(self, b: int, caps: np.ndarray, seen=None) -> tuple[int, int]:
+        """The best (k, width) for this round ((0, 1): plain decoding); ``caps`` [rows] bounds each row's k;
+        ``seen``: each row's (accepted, checked) drafts so far (None: every row has the policy's alpha)."""
+        alphas = None if seen is None else self.row_alphas(seen)
         top = min(int(caps.max()) if caps.size else 0, self.k_max)
         candidates = [(0, 1)] + [(k, w) for k in self.allowed if k <= top for w in self.widths]
+        self.last_expected = None
         if len(candidates) == 1:
             return 0, 1
-        rates = {c: self.tokens_per_second(b, c[0], caps, c[1]) for c in candidates}
+        rates = {c: self.tokens_per_second(b, c[0], caps, c[1], alphas) for c in candidates}
         best = max(candidates, key=rates.get)
+        choice = self._probe(b, best, candidates, rates)
+        self.last_expected = self.expected_tokens(choice[0], caps, choice[1], alphas)
+        return choice
+
+    def _probe(self, b, best, candidates, rates):
         waited = self.since_probe.get(b, 0) + 1
         self.since_probe[b] = waited
         if waited >= _PROBE_EVERY:

@@ -33,6 +33,8 @@ class Proposal:
     # -1 for the row's last token (parents before children); verified in one tree call (runtime/tree.py)
     parents: np.ndarray | None = None
     shape: str | None = None  # the tree's shape as reported in the stats, e.g. "4x3"
+    # [B, K] bool: drafts a grammar forced (jump-forward), not proposed: they count apart from the drafter's own
+    forced: np.ndarray | None = None
 
     @classmethod
     def empty(cls, b: int) -> Proposal:
@@ -55,7 +57,10 @@ class Drafter(Protocol):
         """Rows [first_row, first_row + P) read the same prompt chunk as the target: ids [P, T], fed [P]."""
 
     def propose(self, tokens: np.ndarray, n: np.ndarray, caps: np.ndarray, samplers, capacity: int) -> Proposal:
-        """Up to caps[r] drafts for each row r (tokens [B, cap], n [B], caps [B], one RowSampler per row)."""
+        """Up to caps[r] drafts for each row r (tokens [B, cap], n [B], caps [B], one RowSampler per row).
+
+        A drafter with ``drafts_after_forced`` true may be given, for a row whose grammar forces its next tokens, an
+        n past them: they are in ``tokens`` and the row's logits processor, but not yet in the target's cache."""
 
     def accepted(self, valid: np.ndarray) -> None:
         """valid [B]: the tokens of each row now known to be right."""
@@ -110,6 +115,13 @@ class DraftModelDrafter:
         self.tree_nodes = tree_nodes
         self._chains = None  # a tree round's (tokens view, n, chains, chain lengths), for accepted()
 
+    forced_beyond_k = 16  # a grammar row's forced tokens a chain may hold beyond its k proposals
+
+    @property
+    def drafts_after_forced(self) -> bool:
+        """A chain may start after a row's grammar-forced tokens (the catch-up call reads them); a tree may not."""
+        return self.tree_width == 1
+
     def admit(self, row, prefix, n):
         if n:
             self.engine.load_prefix(prefix.head(n), row)
@@ -132,7 +144,7 @@ class DraftModelDrafter:
         # rounds without drafting); then k - 1 one-token calls extend the drafts.
         b = n.size
         tree = self.tree_width > 1
-        if b == 1 and samplers[0].plain and samplers[0].mode == "greedy" and not tree:
+        if b == 1 and samplers[0].processor is None and samplers[0].mode == "greedy" and not tree:  # (logprobs: verify)
             return self._greedy_chain(tokens[0], int(n[0]), int(caps[0]))
         cached = self.cached[:b]
         # pads sit beyond each row's cached tokens, where the mask hides them and later writes overwrite them
@@ -150,39 +162,74 @@ class DraftModelDrafter:
         cached += fed
         # a row drafts only when it is fully caught up (its logits then predict token n)
         counts = np.where((cached == n) & (fed > 0), caps, 0).astype(np.int64)
-        k = int(counts.max()) if b else 0
+        if not counts.any():
+            return Proposal(np.zeros((b, 0), np.int64), counts, None, calls)
+        # a chain holds up to counts[r] proposals, and a grammar row's forced tokens between them beyond that
+        # (within the cache; the scheduler cuts the chain to the room its verify call has)
+        grammar = not tree and any(s.processor is not None and s.processor.constraint is not None for s in samplers)
+        limit = np.where(counts > 0, np.minimum(counts + (self.forced_beyond_k if grammar else 0), capacity - n), 0)
+        k = int(limit.max())
         drafts = np.zeros((b, k), np.int64)
-        if k == 0:
-            return Proposal(drafts, counts, None, calls)
         probs = None
         if not tree and any(samplers[r].mode == "rejection" for r in range(b) if counts[r]):
             probs = np.zeros((b, k, logits.shape[-1]))
+        forced = np.zeros((b, k), bool) if grammar else None
         branches = [([], [], []) for _ in range(b)] if tree else None  # per row: chain logprobs, siblings
         last = logits[np.arange(b), np.maximum(fed - 1, 0)]  # [B, V]
-        # a row not extending its drafts writes a pad at its first free slot (harmless, overwritten later)
-        free = np.where(counts > 0, n + counts - 1, cached)
-        for j in range(k):
-            for r in np.flatnonzero(counts > j):
+        # length[r]: row r's drafts so far; fed[r]: those its cache holds (draft j sits at position n + j). A grammar
+        # row's chain takes the tokens its grammar forces after a proposal without asking the model (jump-forward:
+        # they are what the masked draft would propose), and the next call reads them with the proposal.
+        length = np.zeros(b, np.int64)
+        proposed = np.zeros(b, np.int64)  # of them, the model's proposals
+        fed_drafts = np.zeros(b, np.int64)
+        going = (proposed < counts) & (length < limit)
+        while True:
+            for r in np.flatnonzero(going):
+                proposed[r] += 1
+                j = int(length[r])
                 if tree:
                     drafts[r, j], lp, others = samplers[r].propose_branches(last[r], int(n[r]) + j, self.tree_width)
                     branches[r][0].append(lp)
                     branches[r][1].append(others)
+                    length[r] += 1
                     continue
                 drafts[r, j], q = samplers[r].propose(last[r], int(n[r]) + j)
                 if q is not None:
                     probs[r, j] = q
-            if j + 1 < k:
-                active = counts > j + 1
-                step_pos = np.where(active, n + j, free)
-                step_ids = np.where(active, drafts[:, j], self.pad_id)
-                t0 = time.perf_counter()
-                last = self.engine.forward(step_ids[:, None], step_pos[:, None])[:, 0]
-                calls.append((b, 1, time.perf_counter() - t0))
+                length[r] += 1
+                proc = samplers[r].processor
+                if proc is not None and length[r] < limit[r]:
+                    for t in proc.forced()[: int(limit[r] - length[r])]:
+                        drafts[r, length[r]] = t
+                        forced[r, length[r]] = True
+                        proc.push(t)
+                        if probs is not None:
+                            probs[r, length[r], t] = 1.0
+                        length[r] += 1
+            going = (proposed < counts) & (length < limit)
+            if not going.any():
+                break
+            # rows still drafting read their new tokens; the others write pads at their first free slots (harmless:
+            # beyond what they hold, overwritten later), every row within the cache's capacity
+            width = int((length - fed_drafts)[going].max())
+            offsets = np.arange(width)
+            free = np.where(counts > 0, n + fed_drafts, cached)
+            step_pos = np.minimum(np.where(going, n + fed_drafts, free)[:, None] + offsets, capacity - 1)
+            real = going[:, None] & (offsets < (length - fed_drafts)[:, None])
+            step_ids = np.where(real, np.take_along_axis(drafts, np.minimum(fed_drafts[:, None] + offsets, k - 1), 1),
+                                self.pad_id)
+            t0 = time.perf_counter()
+            out = self.engine.forward(step_ids, step_pos)
+            calls.append((b, width, time.perf_counter() - t0))
+            last = out[np.arange(b), np.clip(length - fed_drafts - 1, 0, width - 1)]  # (rows going: their last)
+            fed_drafts = np.where(going, length, fed_drafts)
         drafting = counts > 0
-        cached[drafting] = n[drafting] + counts[drafting] - 1  # the catch-up tokens and drafts[:, :k-1]
+        cached[drafting] = n[drafting] + fed_drafts[drafting]  # the catch-up tokens and the drafts read
         if tree:
-            return self._tree(tokens, n, drafts, counts, branches, calls)
-        return Proposal(drafts, counts, probs, calls)
+            return self._tree(tokens, n, drafts, length, branches, calls)
+        k = int(length.max())
+        return Proposal(drafts[:, :k], length, None if probs is None else probs[:, :k], calls,
+                        forced=None if forced is None else forced[:, :k])
 
     def _tree(self, tokens, n, chains, lengths, branches, calls):
         # chains [B, k] drafted with siblings -> a tree Proposal of at most tree_nodes nodes per row
@@ -237,6 +284,7 @@ class PromptLookupDrafter:
     """
 
     name = "prompt_lookup"
+    drafts_after_forced = True  # the lookup reads the forced tokens like any others
 
     def __init__(self, max_batch: int, max_ngram: int = 3):
         self.max_ngram = max_ngram

@@ -95,20 +95,37 @@ class GrammarCompiler:
 
 
 class Constraint:
-    """One request's grammar state: the tokens consumed so far (its output, then a round's drafts on top)."""
+    """One request's grammar state: the tokens consumed so far (its output, then a round's drafts on top).
+
+    A round asks for the mask of the same state twice, when the draft proposes a position and when the target's
+    verdict reaches it: ``mask(x, key)`` keeps each state's bitmask under ``key`` (the round's tokens since the
+    last ``forget``), so the second asking costs only the application.
+    """
 
     def __init__(self, matcher, vocab_size: int):
-        import llguidance.numpy as lnp
-
-        self._lnp = lnp
         self.matcher = matcher
         self.vocab_size = vocab_size
-        self._bits = lnp.allocate_token_bitmask(1, vocab_size)
+        self._words = (vocab_size + 31) // 32
+        self._masks: dict = {}
 
-    def mask(self, x: np.ndarray) -> None:
+    def _bitmask(self) -> np.ndarray:
+        bits = np.empty(self._words, np.int32)
+        self.matcher.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
+        return bits
+
+    def mask(self, x: np.ndarray, key=None) -> None:
         """Set the logits of the tokens the grammar forbids next to -inf (x [V] float32, in place)."""
-        self._lnp.fill_next_token_bitmask(self.matcher, self._bits, 0)
-        self._lnp.apply_token_bitmask_inplace(x[None], self._bits)
+        bits = self._masks.get(key) if key is not None else None
+        if bits is None:
+            bits = self._bitmask()
+            if key is not None:
+                self._masks[key] = bits
+        allowed = np.unpackbits(bits.view(np.uint8), count=x.size, bitorder="little")
+        x[allowed == 0] = -np.inf
+
+    def forget(self) -> None:
+        """The committed state moved on: the kept masks belong to states gone."""
+        self._masks.clear()
 
     def consume(self, token: int) -> None:
         if not self.matcher.consume_token(int(token)):

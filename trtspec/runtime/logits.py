@@ -56,7 +56,7 @@ class LogitsProcessor:
             counts = np.fromiter(self._counts.values(), np.float32, len(self._counts))
             x[ids] -= p.frequency_penalty * counts + p.presence_penalty
         if self.constraint is not None:
-            self.constraint.mask(x)
+            self.constraint.mask(x, tuple(self.pending))  # the state after the round's tokens so far
         return x
 
     def push(self, token: int) -> None:
@@ -95,6 +95,8 @@ class LogitsProcessor:
         self.generated += len(self.pending)
         self.pending = []
         self._consumed = 0
+        if self.constraint is not None:
+            self.constraint.forget()
 
     def allowed_prefix(self, drafts) -> int:
         """How many leading drafts the grammar allows (all of them without one)."""
@@ -103,8 +105,10 @@ class LogitsProcessor:
         return self.constraint.allowed_prefix(drafts)
 
     def forced(self) -> list[int]:
-        """Tokens the grammar forces next (none without one)."""
-        return self.constraint.forced() if self.constraint is not None else []
+        """Tokens the grammar forces next (none without one, or after an EOS: the output ends there)."""
+        if self.constraint is None or (self.pending and self.pending[-1] in self._eos_set):
+            return []
+        return self.constraint.forced()
 
     @property
     def finished(self) -> bool:

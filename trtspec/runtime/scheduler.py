@@ -178,6 +178,7 @@ class Scheduler:
         self.policy = (LoadAwareK(self.num_draft_tokens, self.allowed_k, widths=widths, nodes=tree_nodes)
                        if k_policy == "load-aware" else None)
         self._width = self.tree_width  # the tree width of the current round
+        self._expected = None  # the tokens the load-aware policy expects of the current round
         self.prefill_chunk = min(prefill_chunk, self.max_call)
         self.sampling = sampling
         self.aging_s = float(aging_s)
@@ -589,8 +590,11 @@ class Scheduler:
         b = len(rows)
         n, tc, stats, policy = self._n[:b], self._tc[:b], self._stats, self.policy
         width = self.tree_width
+        self._expected = None  # the tokens the policy expects of this round (rows' own acceptance)
         if policy is not None and caps.any():
-            k, width = policy.choose_shape(b, caps)
+            k, width = policy.choose_shape(b, caps, [(r.stats.accepted, r.stats.accepted + r.stats.rejected)
+                                                     for r in rows])
+            self._expected = policy.last_expected
             caps = np.minimum(caps, k)
         else:
             k = int(caps.max())
@@ -601,9 +605,10 @@ class Scheduler:
         self.round_log.append((stats.rounds, k, b))
 
         t0 = time.perf_counter()
-        forced = self._forced(rows, caps)  # rows whose grammar forces the next tokens draft nothing
+        forced = self._forced(rows, caps)  # rows whose grammar forces the next tokens: drafts after them, if any
         if k:
-            proposal = self.drafter.propose(self._tokens[:b], n, caps, [r.sampler for r in rows], self.capacity)
+            ahead = self._ahead(rows, forced, caps)
+            proposal = self.drafter.propose(self._tokens[:b], ahead, caps, [r.sampler for r in rows], self.capacity)
         else:
             proposal = Proposal.empty(b)
         if forced is not None:
@@ -641,9 +646,9 @@ class Scheduler:
         for s, r in enumerate(rows):
             r.stats.target_calls += 1
             m = int(counts[s])
-            q = None if proposal.probs is None or (forced and s in forced) else proposal.probs[s, :m]
+            q = None if proposal.probs is None or (forced and s in forced and m == len(forced[s])) else proposal.probs[s, :m]
             a, x = r.sampler.verify(drafts[s, :m], q, logits[s, : m + 1], int(n[s]))
-            self._record_verdict(r, bool(forced and s in forced), a, m, 1)
+            self._record_verdict(r, a, m, 1, *self._forced_counts(proposal, s, m, range(a)))
             n_before = int(n[s])
             self._emit(s, r, [*drafts[s, :a].tolist(), x])
             valid[s] = min(n_before + a, int(n[s]))  # the cache holds the verified tokens, not the last one
@@ -664,13 +669,23 @@ class Scheduler:
         stats.verify_s += t2 - t1
         stats.draft_s += t1 - t0
 
-    def _record_verdict(self, r, forced: bool, accepted: int, proposed: int, width: int):
+    @staticmethod
+    def _forced_counts(proposal, s, m, accepted_nodes) -> tuple[int, int]:
+        """Row s's grammar-forced drafts: (how many were accepted, how many of its m were forced)."""
+        if proposal.forced is None:
+            return 0, 0
+        mask = proposal.forced[s, :m]
+        return int(mask[list(accepted_nodes)].sum()), int(mask.sum())
+
+    def _record_verdict(self, r, accepted: int, proposed: int, width: int, forced_accepted: int = 0,
+                        forced: int = 0):
         """One row's verdict in its request's and the scheduler's statistics and the load-aware policy's acceptance
-        (``proposed``: drafts of a chain, the deepest path of a tree); forced tokens count apart."""
+        (``proposed``: drafts of a chain, the deepest path of a tree); of them, ``forced`` tokens a grammar forced
+        (``forced_accepted`` accepted) count apart, as forced tokens, not as the drafter's."""
         r.stats.rounds += 1
         if forced:
-            r.stats.forced_tokens += accepted
-            return
+            r.stats.forced_tokens += forced_accepted
+            accepted, proposed = accepted - forced_accepted, proposed - forced
         r.stats.record_accept(accepted, proposed)
         if proposed and self.policy is not None:
             self.policy.record_acceptance(proposed, accepted, width)
@@ -713,7 +728,7 @@ class Scheduler:
             path, x = r.sampler.verify_tree(drafts[s, :m], parents[s, :m], logits[s, : m + 1], int(n[s]))
             a = len(path)
             deepest = int(depth[s, : m + 1].max())  # the most this tree could have given
-            self._record_verdict(r, bool(forced and s in forced), a, deepest, self._width)
+            self._record_verdict(r, a, deepest, self._width, *self._forced_counts(proposal, s, m, path))
             n_before = int(n[s])
             if path != list(range(a)):  # the accepted nodes' K/V to the slots their positions give
                 self.target.keep_path(s, n_before - 1, [0, *[j + 1 for j in path]])
@@ -729,10 +744,12 @@ class Scheduler:
             self._learn_round(b, k, proposal, stats.generated_tokens - emitted, time.perf_counter() - t0)
 
     def _forced(self, rows, caps):
-        """{row: the tokens its grammar forces next} (jump-forward: verified without asking the draft, whose cap for
-        the row becomes 0), or None when no row has a grammar."""
+        """{row: the tokens its grammar forces next} (jump-forward: verified without asking the draft), or None when
+        no row has a grammar. A chain drafter drafts after a row's forced tokens within the room left (the row's
+        cap shrinks by them); a tree drafter drafts nothing for the row (its cap becomes 0)."""
         forced = None
         room = None
+        after = getattr(self.drafter, "drafts_after_forced", False)
         for s, r in enumerate(rows):
             proc = r.sampler.processor
             if proc is None or proc.constraint is None:
@@ -744,37 +761,71 @@ class Scheduler:
                 tokens = tokens[: min(int(room[s]), self.max_forced)]
             if tokens:
                 forced[s] = tokens
-                caps[s] = 0
+                caps[s] = max(0, min(int(caps[s]), int(room[s]) - len(tokens), self.max_call - 1 - len(tokens))
+                              if after else 0)
         return forced
+
+    def _ahead(self, rows, forced, caps):
+        """Each row's length as the drafter sees it: a row that drafts after forced tokens has them in its buffer
+        (where they will be emitted: the grammar allows nothing else) and in its logits processor's state."""
+        n = self._n[: len(rows)]
+        if not forced or not any(caps[s] for s in forced):
+            return n
+        ahead = n.copy()
+        for s, tokens in forced.items():
+            if caps[s]:
+                self._tokens[s, n[s] : n[s] + len(tokens)] = tokens
+                for t in tokens:
+                    rows[s].sampler.processor.push(t)
+                ahead[s] += len(tokens)
+        return ahead
 
     max_forced = 16  # forced tokens verified per round at most (the verify call's width)
 
     def _constrain(self, rows, proposal, forced):
-        """Grammar rows: forced rows verify their forced tokens; the others' drafts are cut at the first token the
-        grammar forbids (a draft model proposes under the grammar already; prompt lookup does not)."""
+        """Grammar rows: drafts are cut at the first token the grammar forbids (a draft model proposes under the
+        grammar already; prompt lookup does not); a forced row verifies its forced tokens, then its drafts."""
         tree = proposal.parents is not None
+        room = self._room(rows)
         for s, r in enumerate(rows):
             proc = r.sampler.processor
-            if s in forced or proc is None or proc.constraint is None or not proposal.counts[s] or tree:
+            m = int(proposal.counts[s])
+            if proc is None or proc.constraint is None or not m or tree:
                 continue  # (a tree's forbidden nodes are never accepted: the walk sees the processed logits)
             proc.rollback()  # the drafter's pushed proposals: check from the committed state
-            proposal.counts[s] = proc.allowed_prefix(proposal.drafts[s, : proposal.counts[s]])
+            ahead = forced.get(s, [])
+            # a chain's forced tokens beyond k: cut to the room the verify call has (the cache, the output, a call)
+            m = max(0, min(m, int(room[s]) - len(ahead), self.max_call - 1 - len(ahead)))
+            proposal.counts[s] = max(0, proc.allowed_prefix([*ahead, *proposal.drafts[s, :m].tolist()]) - len(ahead))
         if not forced:
             return
-        width = max(len(t) for t in forced.values())
-        if width > proposal.drafts.shape[1]:
-            drafts = np.zeros((len(rows), width), np.int64)
-            drafts[:, : proposal.drafts.shape[1]] = proposal.drafts
-            proposal.drafts = drafts
-            if tree:
-                parents = np.full((len(rows), width), -1, np.int64)
-                parents[:, : proposal.parents.shape[1]] = proposal.parents
-                proposal.parents = parents
-        for s, tokens in forced.items():
-            proposal.drafts[s, : len(tokens)] = tokens
-            proposal.counts[s] = len(tokens)
-            if tree:  # a forced row's tokens verify as a chain
-                proposal.parents[s, : len(tokens)] = np.arange(len(tokens)) - 1
+        b, counts = len(rows), proposal.counts
+        width = max([proposal.drafts.shape[1]] + [len(t) + int(counts[s]) for s, t in forced.items()])
+
+        def widened(a, fill):  # [B, K, ...] -> [B, width, ...]
+            out = np.full((b, width, *a.shape[2:]), fill, a.dtype)
+            out[:, : a.shape[1]] = a
+            return out
+
+        drafts = widened(proposal.drafts, 0)
+        probs = None if proposal.probs is None else widened(proposal.probs, 0.0)  # rejection rows
+        marks = np.zeros((b, width), bool) if proposal.forced is None else widened(proposal.forced, False)
+        if tree:
+            proposal.parents = widened(proposal.parents, -1)
+        for s, tokens in forced.items():  # the forced tokens first, then the row's drafts
+            f, m = len(tokens), int(counts[s])
+            drafts[s, f : f + m] = proposal.drafts[s, :m]
+            drafts[s, :f] = tokens
+            marks[s, f : f + m] = False if proposal.forced is None else proposal.forced[s, :m]
+            marks[s, :f] = True
+            if probs is not None:  # a forced token's proposal is certain
+                probs[s, f : f + m] = proposal.probs[s, :m]
+                probs[s, :f] = 0.0
+                probs[s, np.arange(f), tokens] = 1.0
+            counts[s] = f + m
+            if tree:  # a forced row's tokens verify as a chain (tree drafters draft nothing after them)
+                proposal.parents[s, :f] = np.arange(f) - 1
+        proposal.drafts, proposal.probs, proposal.forced = drafts, probs, marks
 
     def _learn_calls(self, b, width, verify_s, proposal, per_draft_token_s):
         """Tell the load-aware policy what a round's calls cost (before its acceptance is known): the draft
@@ -790,7 +841,8 @@ class Scheduler:
         if proposal.calls and proposal.calls[0][1] > 2:
             # a long catch-up pays for earlier rounds that did not draft: charge this round a usual one
             seconds += self.policy.draft.estimate(b, 2) - proposal.calls[0][2]
-        self.policy.record_round(b, k, emitted, seconds, self._width if proposal.parents is not None else 1)
+        self.policy.record_round(b, k, emitted, seconds, self._width if proposal.parents is not None else 1,
+                                 self._expected)
 
     def _decode_alone(self, r):
         """A lone greedy row with no drafts: one-token target calls in the engine's own loop

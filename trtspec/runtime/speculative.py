@@ -84,9 +84,17 @@ class RowSampler:
         self.processor = processor
         self.plain = processor is None and params.logprobs is None
         self._logprobs: list = []  # (token, logprob, [(token, logprob), ...]) of tokens not yet taken
+        self._gumbel: dict[int, np.ndarray] = {}  # coupled sampling's noise of this round's positions
 
     def _noise(self, position: int, size: int) -> np.ndarray:
-        return np.random.default_rng([self.key, position]).gumbel(size=size)
+        # G_position: drawn once, when the draft proposes there, and read again when the target verifies it
+        noise = self._gumbel.get(position)
+        if noise is None or noise.size != size:
+            noise = np.random.default_rng([self.key, position]).gumbel(size=size)
+            if len(self._gumbel) >= 64:  # positions far behind are never asked for again
+                self._gumbel = {p: g for p, g in self._gumbel.items() if p > position - 32}
+            self._gumbel[position] = noise
+        return noise
 
     def _process(self, logits: np.ndarray) -> np.ndarray:
         return logits if self.processor is None else self.processor.apply(logits)
