@@ -261,18 +261,24 @@ def test_grammar_rounds_verify_forced_tokens_then_drafts_and_rejection_sampling_
     draft = load_engine(perturbed_export(ARCH, 0.5, **options))
     fmt = {"type": "regex", "regex": "(ab|cd|ef) = (xa|yb|zc)"}
     gen = Generator(target, draft, num_draft_tokens=3, k_policy="fixed", sampling="rejection")
-    mixed = []  # per forced row: (forced tokens, tokens verified)
+    mixed, chains = [], []  # per forced row: (forced tokens, tokens verified); per row: which drafts were forced
     constrain = gen.scheduler._constrain
 
     def recording(rows, proposal, forced):
         constrain(rows, proposal, forced)
         mixed.extend((len(t), int(proposal.counts[s])) for s, t in (forced or {}).items())
+        if proposal.forced is not None:
+            chains.extend(proposal.forced[s, : proposal.counts[s]].tolist() for s in range(len(rows)))
 
     gen.scheduler._constrain = recording
     plain = Generator(target)
     prompt = "def"
     greedy = [r.text for r in plain.generate([prompt, "x"], max_new_tokens=16, response_format=fmt)]
-    assert [r.text for r in gen.generate([prompt, "x"], max_new_tokens=16, response_format=fmt)] == greedy
+    spec = gen.generate([prompt, "x"], max_new_tokens=16, response_format=fmt)
+    assert [r.text for r in spec] == greedy
+    # forced tokens inside a chain, after a proposal of the draft's, were taken without it; they count as forced
+    assert any(marks[j] and not marks[j - 1] for marks in chains for j in range(1, len(marks)))
+    assert all(r.stats.forced_tokens > 0 and r.stats.accepted <= r.stats.proposed for r in spec)
     params = SamplingParams(temperature=1.5, top_k=4)
     eos = set(target.manifest["model"]["special_tokens"]["eos_token_ids"])
     compiler = gen.scheduler._grammar_compiler()

@@ -10,7 +10,8 @@ call plus k - 1 one-token draft calls and one target call over k + 1 tokens per 
 gets tried, and is then judged on what it really did. k = 0 (plain decoding) competes on the same
 terms, so when the batch is full enough that verify calls grow faster than acceptance pays, drafting
 stops. Every _PROBE_EVERY rounds at a batch size one neighbour of the best k is tried again, so a
-change in acceptance (another kind of prompt) is noticed.
+change in acceptance (another kind of prompt) is noticed; while the best stays the same the gap between tries
+doubles, up to _PROBE_MAX rounds (a try is not free: after plain rounds the draft catches up on every token).
 
 Acceptance is the rows' own: each row's alpha is its request's accepted / checked drafts, starting from the
 policy's alpha (all rows so far) as a prior. A measured rate is scaled by how many tokens the current rows are
@@ -30,7 +31,8 @@ from .speculative import expected_tokens_per_call
 _PRIOR_ALPHA, _PRIOR_WEIGHT = 0.5, 8.0
 _PRIOR_DRAFT_RATIO = 0.1
 _PRIOR_SLOPE = 0.05
-_PROBE_EVERY = 16  # rounds at one batch size between tries of a neighbour of the best k
+_PROBE_EVERY = 16  # rounds at one batch size between tries of a neighbour of the best k, at first
+_PROBE_MAX = 256  # ... and at most, the gap doubling while the best stays the same
 _MEMORY = 32  # a mean covers at most this many recent observations (machines are shared and noisy)
 _TRUSTED = 3  # rounds of a (batch, k) before its measured rate replaces the estimate
 _PRIOR_RESCUE = 0.3  # before a tree is measured: the share of the chain's rejections its siblings would catch
@@ -95,6 +97,8 @@ class LoadAwareK:
         # (b, k, width) -> [mean tokens, mean seconds, rounds, mean tokens expected from the rows' acceptance]
         self.rounds: dict[tuple, list[float]] = {}
         self.since_probe: dict[int, int] = {}
+        self.probe_gap: dict[int, int] = {}  # b -> rounds between tries of a neighbour
+        self.best: dict[int, tuple[int, int]] = {}  # b -> the best shape when last chosen
         self.last_expected: float | None = None  # the chosen shape's expected tokens (record_round's ``expected``)
 
     def record_acceptance(self, proposed: int, accepted: int, width: int = 1):
@@ -192,10 +196,15 @@ class LoadAwareK:
         return choice
 
     def _probe(self, b, best, candidates, rates):
+        if self.best.get(b) != best:  # something changed: look around soon
+            self.best[b] = best
+            self.probe_gap[b] = _PROBE_EVERY
         waited = self.since_probe.get(b, 0) + 1
         self.since_probe[b] = waited
-        if waited >= _PROBE_EVERY:
+        gap = self.probe_gap.get(b, _PROBE_EVERY)
+        if waited >= gap:
             self.since_probe[b] = 0
+            self.probe_gap[b] = min(2 * gap, _PROBE_MAX)
             # a neighbour of the best: one k up or down at its width, or the other widths at its k; the one
             # measured least often (the fewest rounds on record)
             k, w = best

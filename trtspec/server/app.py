@@ -17,6 +17,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import CapacityError
@@ -91,18 +92,35 @@ def create_app(scheduler, *, model_name: str, api_key: str | None = None, max_qu
                 problems.append(f"{where or 'body'}: {e.get('msg')}")
         return JSONResponse(APIError(400, "; ".join(problems) or "invalid request").body, status_code=400)
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        if request.url.path.startswith("/v1/"):
-            if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
-                err = APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                               type="authentication_error", code="invalid_api_key")
-                return JSONResponse(err.body, status_code=401)
-            if request.method == "POST" and (state.draining or not state.ready):
-                why = "the server is shutting down" if state.draining else "the server is still loading its engines"
-                err = APIError(503, f"{why}; retry on another replica or later", type="service_unavailable")
-                return JSONResponse(err.body, status_code=503, headers={"Retry-After": "1"})
-        return await call_next(request)
+    def refusal(scope) -> JSONResponse | None:
+        """401 without the API key, 503 for a generation while loading or draining; None lets the request in."""
+        if not scope["path"].startswith("/v1/"):
+            return None
+        if api_key is not None and Headers(scope=scope).get("authorization") != f"Bearer {api_key}":
+            err = APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                           type="authentication_error", code="invalid_api_key")
+            return JSONResponse(err.body, status_code=401)
+        if scope["method"] == "POST" and (state.draining or not state.ready):
+            why = "the server is shutting down" if state.draining else "the server is still loading its engines"
+            err = APIError(503, f"{why}; retry on another replica or later", type="service_unavailable")
+            return JSONResponse(err.body, status_code=503, headers={"Retry-After": "1"})
+        return None
+
+    class Guard:
+        """The refusals above as a plain ASGI middleware: a stream's chunks pass straight through (starlette's
+        ``@app.middleware("http")`` relays every chunk through a task and a memory stream of its own)."""
+
+        def __init__(self, app):
+            self.app = app
+
+        async def __call__(self, scope, receive, send):
+            response = refusal(scope) if scope["type"] == "http" else None
+            if response is not None:
+                await response(scope, receive, send)
+            else:
+                await self.app(scope, receive, send)
+
+    app.add_middleware(Guard)
 
     @app.get("/health")
     async def health():
