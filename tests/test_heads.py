@@ -116,6 +116,31 @@ def test_greedy_eagle3_speculation_equals_target_greedy(eagle, batch, tree_width
     assert all(r.stats.proposed >= 3 * (r.stats.rounds - 3) for r in out)
 
 
+@pytest.mark.parametrize("tree_width", [1, 3])
+def test_eagle3_under_a_grammar_ends_its_chain_where_its_vocabulary_allows_nothing(eagle, tree_width):
+    # the grammar allows only letters whose tokens are off the head's reduced vocabulary: the head can propose
+    # nothing there, so its chain ends (it used to propose a token the grammar refuses, failing the request)
+    from trtspec.heads.export import draft_to_target
+
+    target_path, head_path, _ = eagle
+    target = load_engine(target_path)
+    head = load_engine(head_path)
+    on_head = set(draft_to_target(head).tolist())
+    tok = Generator(target).tokenizer
+    off = [c for c in "abcdefghijklmnopqrstuvwxyz" if tok.encode(c, add_special_tokens=False)[0] not in on_head
+           and len(tok.encode(c, add_special_tokens=False)) == 1]
+    assert len(off) >= 3
+    fmt = {"type": "regex", "regex": "(" + "|".join(off[:3]) + "){8}"}
+    prompts = ["def add(a, b):", "import os"]
+    gen = Generator(target, head, drafter="eagle3", num_draft_tokens=3, k_policy="fixed", tree_width=tree_width)
+    plain = Generator(target)
+    for temperature in (0.0, 1.0):
+        want = plain.generate(prompts, max_new_tokens=12, temperature=temperature, seed=5, response_format=fmt)
+        got = gen.generate(prompts, max_new_tokens=12, temperature=temperature, seed=5, response_format=fmt)
+        assert [r.text for r in got] == [r.text for r in want]
+        assert all(len(r.text) == 8 and set(r.text) <= set(off[:3]) for r in got)
+
+
 def test_eagle3_with_a_self_consistent_head_accepts(tmp_path, exported, built, model_dir):
     """A head trained for a few steps on the tiny target's own samples agrees with it often: drafts get accepted,
     through the scheduler (chains and a tree), and the output stays the target's."""

@@ -162,6 +162,10 @@ class Eagle3Drafter:
                     branches[r][1].append(others)
                 else:
                     drafts[r, j], _ = samplers[r].propose(full[r], int(n[r]) + j)
+                if drafts[r, j] < 0:  # nothing on the head's vocabulary the request allows: the chain ends here
+                    counts[r] = j
+                    if tree:
+                        del branches[r][0][-1], branches[r][1][-1]
             if j + 1 < k:
                 active = counts > j + 1
                 # position n - 1 + j reads (own output at n - 2 + j, draft j); inactive rows write a pad past fed

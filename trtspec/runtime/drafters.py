@@ -189,11 +189,17 @@ class DraftModelDrafter:
                 j = int(length[r])
                 if tree:
                     drafts[r, j], lp, others = samplers[r].propose_branches(last[r], int(n[r]) + j, self.tree_width)
+                    if drafts[r, j] < 0:  # nothing the request allows: the chain ends here
+                        counts[r] = limit[r] = j
+                        continue
                     branches[r][0].append(lp)
                     branches[r][1].append(others)
                     length[r] += 1
                     continue
                 drafts[r, j], q = samplers[r].propose(last[r], int(n[r]) + j)
+                if drafts[r, j] < 0:
+                    counts[r] = limit[r] = j
+                    continue
                 if q is not None:
                     probs[r, j] = q
                 length[r] += 1

@@ -127,8 +127,12 @@ class RowSampler:
         return token
 
     def propose(self, logits: np.ndarray, position: int) -> tuple[int, np.ndarray | None]:
-        """A draft token for ``position`` and, for rejection sampling, the draft distribution q it came from."""
+        """A draft token for ``position`` and, for rejection sampling, the draft distribution q it came from.
+        -1: the draft has no token the request allows here (a head's reduced vocabulary under a grammar), so the
+        chain ends before this position."""
         x = self._process(logits)
+        if x.max() == -np.inf:
+            return -1, None
         if self.mode == "rejection":
             q = self.params.probs(x)
             token = sample(q, self.rng)
@@ -140,8 +144,11 @@ class RowSampler:
 
     def propose_branches(self, logits: np.ndarray, position: int, width: int) -> tuple[int, float, list]:
         """A draft token for ``position`` (as ``propose`` picks it) with its log-probability under the draft, and
-        the ``width - 1`` likeliest other tokens with theirs: the siblings a draft tree adds beside it."""
+        the ``width - 1`` likeliest other tokens with theirs: the siblings a draft tree adds beside it.
+        (-1, -inf, []): nothing the request allows, as for ``propose``."""
         x = self._process(logits)
+        if x.max() == -np.inf:
+            return -1, -np.inf, []
         if self.mode == "greedy":
             lp = log_probs(self.params, x)
             token = int(lp.argmax())
