@@ -68,7 +68,9 @@ def test_streamed_completion_is_the_same_text_in_blocks_and_ends_with_usage(serv
     want = alone(PROMPTS[1], max_new_tokens=30)
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == want.text
-    assert 2 < len([c for c in chunks if c.choices and c.choices[0].text]) <= 30
+    # blocks: at most one a token; how many depends on timing (deltas that arrive together leave as one chunk,
+    # and the tiny model can finish 30 tokens before the event loop runs twice)
+    assert 1 <= len([c for c in chunks if c.choices and c.choices[0].text]) <= 30
     finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finals == ["length" if want.finish_reason == "length" else "stop"]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want.token_ids)
