@@ -128,6 +128,21 @@ def test_greedy_speculation_on_rings_equals_full_cache_target_greedy(drafter, ri
         assert [r.token_ids for r in out] == reference, policy
 
 
+@pytest.mark.parametrize("drafter", ["none", "draft", "prompt_lookup"])
+def test_a_grammar_forcing_more_tokens_than_a_call_carries_runs_on_rings(drafter, ring_engine, exported):
+    # jump-forward verifies forced tokens and a draft chain takes them: on rings both stay within CALL tokens a call
+    fmt = {"type": "regex", "regex": "(ab|cd) = the quick brown fox, (x|y){4}"}
+    prompts = ["x = ", "def f():"]
+    reference = [r.text for r in Generator(load_engine(exported("mistral", ring_cache=False))).generate(
+        prompts, max_new_tokens=40, response_format=fmt)]
+    draft = ring_engine("mistral", seed=1) if drafter == "draft" else None
+    gen = Generator(ring_engine("mistral"), draft, drafter=drafter, num_draft_tokens=CALL - 1, k_policy="fixed")
+    out = gen.generate(prompts, max_new_tokens=40, response_format=fmt)
+    assert [r.text for r in out] == reference
+    assert all(" = the quick brown fox, " in t for t in reference), reference
+    assert all(r.stats.forced_tokens >= CALL for r in out)  # more forced tokens than one call carries
+
+
 def test_prefix_reuse_on_rings_keeps_only_what_the_ring_still_holds(ring_engine, exported):
     target, draft = ring_engine("mistral"), ring_engine("mistral", seed=1)
     plain = Generator(load_engine(exported("mistral", ring_cache=False)))

@@ -205,7 +205,8 @@ class DraftModelDrafter:
                 length[r] += 1
                 proc = samplers[r].processor
                 if proc is not None and length[r] < limit[r]:
-                    for t in proc.forced()[: int(limit[r] - length[r])]:
+                    # (the next call reads them with the proposal: within the tokens a call may carry)
+                    for t in proc.forced()[: int(min(limit[r] - length[r], self.max_call - 1))]:
                         drafts[r, length[r]] = t
                         forced[r, length[r]] = True
                         proc.push(t)

@@ -758,7 +758,7 @@ class Scheduler:
             tokens = proc.forced()
             if tokens:
                 room = self._room(rows) if room is None else room
-                tokens = tokens[: min(int(room[s]), self.max_forced)]
+                tokens = tokens[: min(int(room[s]), self.max_forced, self.max_call - 1)]  # (rings: calls are short)
             if tokens:
                 forced[s] = tokens
                 caps[s] = max(0, min(int(caps[s]), int(room[s]) - len(tokens), self.max_call - 1 - len(tokens))
