@@ -43,6 +43,25 @@ def _prepare(target: Path, out: Path, data, heldout, pattern: str, seq: int, dra
     return spec, tokenizer, train_ids, held_ids, held_files, frozen_teacher(target)
 
 
+def _soft_cross_entropy(pairs, weights):
+    """The weighted mean over (logits, target probabilities) pairs of the cross-entropy against the target's
+    distribution (the weights of the pairs there are; later drafted positions weigh less)."""
+    import torch
+
+    loss = 0.0
+    for w, (logits, probs) in zip(weights, pairs):
+        loss = loss + w * -(probs * torch.log_softmax(logits.float(), -1)).sum(-1).mean()
+    return loss / sum(weights[: len(pairs)])
+
+
+def _publish(final: Path, out: Path, report: dict):
+    """The trained files from the work directory into ``out`` with the report; the work directory goes."""
+    for f in final.iterdir():
+        f.replace(out / f.name)
+    (out / REPORT).write_text(json.dumps(report, indent=2))
+    shutil.rmtree(out / WORK)
+
+
 def eagle3_targets(teacher, windows, layers, draft_ids):
     """One batch's training inputs from the target: features [B, N, 3H] at positions 0..N-1 (N = S - 1), the
     token after each position [B, N], and the target's distribution over the draft vocabulary for the token two
@@ -107,12 +126,8 @@ def distill_eagle3(target, out, data, *, heldout=None, pattern: str = "*.py", dr
 
     def loss_fn(model, b, step):
         features, tokens, probs = b
-        outs = model.forward_steps(features, tokens, ttt_steps)
-        loss = 0.0
-        for j, (w, logits) in enumerate(zip(weights, outs)):
-            lp = torch.log_softmax(logits[:, j:].float(), -1)
-            loss = loss + w * -(probs[:, j:] * lp).sum(-1).mean()
-        return loss / sum(weights)
+        outs = model.forward_steps(features, tokens, ttt_steps)  # step j predicts from position j on
+        return _soft_cross_entropy([(logits[:, j:], probs[:, j:]) for j, logits in enumerate(outs)], weights)
 
     seconds = loop.run(batch_fn, loss_fn)
     say("[distill] evaluating on the held-out text")
@@ -125,17 +140,13 @@ def distill_eagle3(target, out, data, *, heldout=None, pattern: str = "*.py", dr
               "training": {"steps": loop.total_steps, "batch": batch, "seq": seq, "peak_lr": lr, "ttt_steps": ttt_steps,
                            "seed": seed, "bf16_autocast": loop.autocast, "train_minutes": seconds / 60},
               "loss_curve": loop.history, **agreement}
-    for f in final.iterdir():
-        f.replace(out / f.name)
-    (out / REPORT).write_text(json.dumps(report, indent=2))
-    shutil.rmtree(out / WORK)
-    if eval_prompts:
-        prompts = heldout_prompts(held_files, tokenizer, eval_prompts)
-        if prompts:
-            say(f"[distill] measuring greedy acceptance with the head at k={eval_k} through trtspec engines")
-            report["acceptance"] = measure_head_acceptance(target, out, prompts, k=eval_k, max_new_tokens=eval_tokens,
-                                                           threads=threads)
-            (out / REPORT).write_text(json.dumps(report, indent=2))
+    _publish(final, out, report)
+    prompts = heldout_prompts(held_files, tokenizer, eval_prompts) if eval_prompts else []
+    if prompts:
+        say(f"[distill] measuring greedy acceptance with the head at k={eval_k} through trtspec engines")
+        report["acceptance"] = measure_head_acceptance(target, out, prompts, k=eval_k, max_new_tokens=eval_tokens,
+                                                       threads=threads)
+        (out / REPORT).write_text(json.dumps(report, indent=2))
     say(f"[distill] wrote {out}: held-out top-1 agreement per drafted position "
         f"{', '.join(f'{a:.3f}' for a in agreement['heldout_agreement'])}"
         + (f", alpha {report['acceptance']['alpha']:.3f} at k={eval_k}" if "acceptance" in report else ""))
@@ -259,12 +270,8 @@ def distill_medusa(target, out, data, *, heldout=None, pattern: str = "*.py", nu
 
     def loss_fn(model, b, step):
         hidden, probs = b
-        outs = model(hidden)
-        loss = 0.0
-        for w, logits, p in zip(weights, outs, probs):
-            lp = torch.log_softmax(logits[:, : p.shape[1]].float(), -1)
-            loss = loss + w * -(p * lp).sum(-1).mean()
-        return loss / sum(weights[: len(probs)])
+        outs = model(hidden)  # head i predicts i + 2 ahead: fewer positions have a target
+        return _soft_cross_entropy([(logits[:, : p.shape[1]], p) for logits, p in zip(outs, probs)], weights)
 
     seconds = loop.run(batch_fn, loss_fn)
     say("[distill] evaluating on the held-out text")
@@ -275,16 +282,12 @@ def distill_medusa(target, out, data, *, heldout=None, pattern: str = "*.py", nu
               "config": heads.config, "training": {"steps": loop.total_steps, "batch": batch, "seq": seq, "peak_lr": lr,
                                                    "seed": seed, "train_minutes": seconds / 60},
               "loss_curve": loop.history, **agreement}
-    for f in final.iterdir():
-        f.replace(out / f.name)
-    (out / REPORT).write_text(json.dumps(report, indent=2))
-    shutil.rmtree(out / WORK)
-    if eval_prompts:
-        prompts = heldout_prompts(held_files, tokenizer, eval_prompts)
-        if prompts:
-            say("[distill] measuring greedy acceptance with the heads (a tree of 16 nodes) through trtspec engines")
-            report["acceptance"] = measure_head_acceptance(target, out, prompts, method="medusa", threads=threads)
-            (out / REPORT).write_text(json.dumps(report, indent=2))
+    _publish(final, out, report)
+    prompts = heldout_prompts(held_files, tokenizer, eval_prompts) if eval_prompts else []
+    if prompts:
+        say("[distill] measuring greedy acceptance with the heads (a tree of 16 nodes) through trtspec engines")
+        report["acceptance"] = measure_head_acceptance(target, out, prompts, method="medusa", threads=threads)
+        (out / REPORT).write_text(json.dumps(report, indent=2))
     say(f"[distill] wrote {out}: held-out top-1 agreement per head "
         f"{', '.join(f'{a:.3f}' for a in agreement['heldout_agreement'])}")
     return report

@@ -169,7 +169,9 @@ class LoadAwareK:
     def tokens_per_second(self, b: int, k: int, caps: np.ndarray, width: int = 1, alphas=None) -> float:
         """Measured tokens per second of rounds at (b, k, width), scaled to these rows' acceptance, or the
         estimate while they are too few."""
-        expected = self.expected_tokens(k, caps, width, alphas)
+        return self._rate(b, k, width, self.expected_tokens(k, caps, width, alphas))
+
+    def _rate(self, b: int, k: int, width: int, expected: float) -> float:
         seen = self.rounds.get((b, k, width))
         if seen is not None and seen[2] >= _TRUSTED and seen[1] > 0:
             scale = expected / seen[3] if seen[3] > 0 else 1.0
@@ -189,10 +191,11 @@ class LoadAwareK:
         self.last_expected = None
         if len(candidates) == 1:
             return 0, 1
-        rates = {c: self.tokens_per_second(b, c[0], caps, c[1], alphas) for c in candidates}
+        expected = {c: self.expected_tokens(c[0], caps, c[1], alphas) for c in candidates}
+        rates = {c: self._rate(b, *c, expected[c]) for c in candidates}
         best = max(candidates, key=rates.get)
         choice = self._probe(b, best, candidates, rates)
-        self.last_expected = self.expected_tokens(choice[0], caps, choice[1], alphas)
+        self.last_expected = expected[choice]
         return choice
 
     def _probe(self, b, best, candidates, rates):
