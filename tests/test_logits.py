@@ -300,3 +300,117 @@ def test_grammar_rounds_verify_forced_tokens_then_drafts_and_rejection_sampling_
     assert 0.02 < accepted / proposed < 0.95
     assert set(counts) <= set(joint) and len(joint) > 3
     assert _chi_square_p_value(counts, joint) > ALPHA
+
+
+GRAMMARS = {
+    "json_schema": {"type": "json_schema", "json_schema": {"name": "s", "schema": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "yz"]},
+                                         "c": {"type": "array", "items": {"type": "string", "maxLength": 4}}},
+        "required": ["a", "b", "c"], "additionalProperties": False}}},
+    "regex": {"type": "regex", "regex": "(ab|c)+d?"},  # accepting and not finished after each "ab"/"c"
+    "lark": {"type": "grammar", "grammar": 'start: "x" ("+" NUM)*\nNUM: /[0-9]{1,3}/'},
+    "loose": {"type": "regex", "regex": '[^"]{0,40}'},  # most picks allowed: lazy masking's usual case
+}
+
+
+@pytest.mark.parametrize("name", list(GRAMMARS))
+def test_grammar_allows_agrees_with_the_mask_on_every_token_of_every_state(name, plain):
+    """Constraint.allows (one token, no mask: what lazy masking asks) says exactly what the mask says, for every
+    token of the vocabulary, in every state of a walk through the grammar, EOS included, and from a kept mask."""
+    compiler = plain.scheduler._grammar_compiler()
+    c = compiler.constraint(GRAMMARS[name])
+    eos = compiler.eos_ids
+    rng = np.random.default_rng(0)
+    vocab = c.vocab_size
+    states = 0
+    while True:
+        x = np.zeros(vocab, np.float32)
+        c.mask(x)
+        allowed = np.isfinite(x)
+        told = np.array([c.allows(t) for t in range(vocab)])
+        assert (told == allowed).all(), np.flatnonzero(told != allowed)[:10]
+        c.mask(np.zeros(vocab, np.float32), key=("kept",))
+        assert all(c.allows(t, key=("kept",)) == allowed[t] for t in rng.choice(vocab, 64))
+        c.forget()
+        states += 1
+        choices = [t for t in np.flatnonzero(allowed) if t not in eos]
+        if not choices or c.finished or states > 40:
+            assert allowed[eos].any() == (c.finished or bool(c.matcher.is_accepting()))
+            break
+        if states > 3 and any(allowed[e] for e in eos):
+            assert c.matcher.is_accepting()  # an accepting state that goes on (the regex's and the lark grammar's)
+        c.consume(int(rng.choice(choices)))
+    assert states > 3
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_lazy_masking_picks_exactly_what_the_full_mask_picks(temperature, target, noisy, monkeypatch):
+    """Greedy and coupled rows under a grammar pick from unmasked logits and mask only where the grammar refuses
+    the pick: outputs (target-only and speculative) equal those of masking every position, with fewer masks."""
+    from trtspec.runtime import grammar as grammar_module
+    from trtspec.runtime import speculative
+
+    masks, lazy = [], [True]
+    original_mask, original_init = grammar_module.Constraint.mask, speculative.RowSampler.__init__
+
+    def counting(self, x, key=None):
+        masks.append(1)
+        return original_mask(self, x, key)
+
+    def init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        self._lazy = self._lazy and lazy[0]
+
+    monkeypatch.setattr(grammar_module.Constraint, "mask", counting)
+    monkeypatch.setattr(speculative.RowSampler, "__init__", init)
+    kw = {"max_new_tokens": 24, "temperature": temperature, "seed": 3}
+
+    def run(lazily):
+        lazy[0] = lazily
+        texts = []
+        masks.clear()
+        for gen in (Generator(target), Generator(target, noisy, num_draft_tokens=3, k_policy="fixed")):
+            for fmt in GRAMMARS.values():
+                texts.append([r.text for r in gen.generate(PROMPTS, response_format=fmt, **kw)])
+            gen.close()
+        return texts, len(masks)
+
+    lazy_texts, lazy_masks = run(True)
+    eager_texts, eager_masks = run(False)
+    assert lazy_texts == eager_texts
+    assert lazy_texts[: len(GRAMMARS)] == lazy_texts[len(GRAMMARS):]  # (coupled and greedy: the draft changes nothing)
+    assert lazy_masks < eager_masks
+
+
+def test_grammar_chains_near_the_cache_end_keep_every_rows_slots_inside_it(exported, perturbed_export):
+    """A batch of grammar rows, one close to the cache's end while another's chain reads a long forced run: the
+    draft's calls stay consecutive and inside the cache for every row (a long read is split), and the outputs
+    equal target-only outputs. (Pads of the row near the end were clipped to the last slot: the engine refused the
+    call and the request failed.)"""
+    target = load_engine(exported(ARCH))  # 64 positions: the second prompt's row (37 tokens + 24) reaches the end
+    draft = load_engine(perturbed_export(ARCH, 0.3))
+    plain = Generator(target)
+    spec = Generator(target, draft, num_draft_tokens=3, k_policy="fixed")
+    for temperature in (0.0, 1.0):
+        kw = {"max_new_tokens": 24, "temperature": temperature, "seed": 3, "response_format": GRAMMARS["json_schema"]}
+        want = [r.text for r in plain.generate(PROMPTS, **kw)]
+        got = spec.generate(PROMPTS, **kw)
+        assert [r.text for r in got] == want
+        assert sum(r.stats.forced_tokens for r in got) >= 8
+    plain.close()
+    spec.close()
+
+
+def test_load_aware_k_learns_from_drafted_tokens_not_the_grammars_forced_ones(target, noisy):
+    """Forced tokens a chain takes after a proposal come whatever k is: the load-aware policy's record of a round
+    leaves them out, so no round looks as if it emitted more than its k drafts and bonus token per row (with them
+    counted, k = 1 rounds that reached a forced run looked best and drafting stayed at k = 1)."""
+    fmt = {"type": "regex", "regex": "([a-z]{2} = the tail forced; )+"}  # rounds start at a free letter
+    gen = Generator(target, noisy, num_draft_tokens=1)  # k_policy "load-aware" (the default)
+    out = gen.generate(PROMPTS[:1] * 3, max_new_tokens=50, response_format=fmt)
+    policy = gen.scheduler.policy
+    gen.close()
+    assert sum(r.stats.forced_tokens for r in out) > 3 * 20
+    assert policy.rounds and any(k == 1 for _, k, _ in policy.rounds)
+    for (b, k, width), (tokens, _, _, _) in policy.rounds.items():
+        assert tokens <= b * (k + 1) + 1e-9, ((b, k), tokens)

@@ -54,6 +54,24 @@ class CallCosts:
         entry[1] = min(entry[1] + 1, _MEMORY)
         entry[0] += (seconds - entry[0]) / entry[1]
 
+    def _fitted(self):
+        if self._fit is None:
+            self._fit = False
+            sizes = np.array([bb * tt for bb, tt in self.means], dtype=float)
+            if np.unique(sizes).size >= 2:
+                slope, intercept = np.polyfit(sizes, [m for m, _ in self.means.values()], 1)
+                if slope > 0 and intercept > 0:
+                    self._fit = (slope, intercept)
+        return self._fit
+
+    def per_token(self, b: int) -> float:
+        """Seconds one more token of one row adds to a call: the fit's slope, else the prior's (0 unmeasured)."""
+        fit = self._fitted() if self.means else False
+        if fit:
+            return float(fit[0])
+        decode = self.estimate(b, 1)
+        return _PRIOR_SLOPE * decode / b if decode is not None else 0.0
+
     def estimate(self, b: int, t: int) -> float | None:
         if (b, t) in self.means:
             return self.means[(b, t)][0]
@@ -61,13 +79,7 @@ class CallCosts:
             return None
         sizes = np.array([bb * tt for bb, tt in self.means], dtype=float)
         costs = np.array([m for m, _ in self.means.values()])
-        if self._fit is None:
-            self._fit = False
-            if np.unique(sizes).size >= 2:
-                slope, intercept = np.polyfit(sizes, costs, 1)
-                if slope > 0 and intercept > 0:
-                    self._fit = (slope, intercept)
-        if self._fit:
+        if self._fitted():
             slope, intercept = self._fit
             return float(intercept + slope * b * t)
         # one size measured (or a fit that makes no sense yet): scale the nearest by the prior slope

@@ -184,7 +184,7 @@ class DraftModelDrafter:
         fed_drafts = np.zeros(b, np.int64)
         going = (proposed < counts) & (length < limit)
         while True:
-            for r in np.flatnonzero(going):
+            for r in np.flatnonzero(going & (fed_drafts == length)):  # rows whose last call read all they hold
                 proposed[r] += 1
                 j = int(length[r])
                 if tree:
@@ -217,19 +217,22 @@ class DraftModelDrafter:
             if not going.any():
                 break
             # rows still drafting read their new tokens; the others write pads at their first free slots (harmless:
-            # beyond what they hold, overwritten later), every row within the cache's capacity
-            width = int((length - fed_drafts)[going].max())
+            # beyond what they hold, overwritten later). Every row's slots stay consecutive and inside the cache: a
+            # row near the end bounds the call's width, and a row with more to read reads the rest next call
+            pending = length - fed_drafts
+            start = np.where(going, n + fed_drafts, np.where(counts > 0, n + fed_drafts, cached))
+            width = max(1, min(int(pending[going].max()), int((capacity - start).min())))
             offsets = np.arange(width)
-            free = np.where(counts > 0, n + fed_drafts, cached)
-            step_pos = np.minimum(np.where(going, n + fed_drafts, free)[:, None] + offsets, capacity - 1)
-            real = going[:, None] & (offsets < (length - fed_drafts)[:, None])
+            step_pos = np.minimum(start[:, None] + offsets, capacity - 1)
+            real = going[:, None] & (offsets < pending[:, None])
             step_ids = np.where(real, np.take_along_axis(drafts, np.minimum(fed_drafts[:, None] + offsets, k - 1), 1),
                                 self.pad_id)
             t0 = time.perf_counter()
             out = self.engine.forward(step_ids, step_pos)
             calls.append((b, width, time.perf_counter() - t0))
-            last = out[np.arange(b), np.clip(length - fed_drafts - 1, 0, width - 1)]  # (rows going: their last)
-            fed_drafts = np.where(going, length, fed_drafts)
+            read = np.where(going, np.minimum(pending, width), 0)
+            last = out[np.arange(b), np.clip(read - 1, 0, width - 1)]  # (rows that read all they hold: their last)
+            fed_drafts = fed_drafts + read
         drafting = counts > 0
         cached[drafting] = n[drafting] + fed_drafts[drafting]  # the catch-up tokens and the drafts read
         if tree:

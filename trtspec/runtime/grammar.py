@@ -91,7 +91,7 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(lltok, grammar)
         if matcher.is_error():
             raise ValueError(f"response_format ({response_format['type']}) cannot be used: {matcher.get_error()}")
-        return Constraint(matcher, self.vocab_size)
+        return Constraint(matcher, self.vocab_size, self.eos_ids)
 
 
 class Constraint:
@@ -100,11 +100,16 @@ class Constraint:
     A round asks for the mask of the same state twice, when the draft proposes a position and when the target's
     verdict reaches it: ``mask(x, key)`` keeps each state's bitmask under ``key`` (the round's tokens since the
     last ``forget``), so the second asking costs only the application.
+
+    ``allows(token, key)`` answers for one token without the mask (~1 us against ~20-50 us for a fresh mask and
+    ~6 us to apply it): a greedy or Gumbel-max choice that the grammar allows is the choice under the mask too,
+    so most positions of a constrained request never compute one (RowSampler's lazy masking).
     """
 
-    def __init__(self, matcher, vocab_size: int):
+    def __init__(self, matcher, vocab_size: int, eos_ids=()):
         self.matcher = matcher
         self.vocab_size = vocab_size
+        self._eos = frozenset(int(t) for t in eos_ids)
         self._words = (vocab_size + 31) // 32
         self._masks: dict = {}
 
@@ -122,6 +127,15 @@ class Constraint:
                 self._masks[key] = bits
         allowed = np.unpackbits(bits.view(np.uint8), count=x.size, bitorder="little")
         x[allowed == 0] = -np.inf
+
+    def allows(self, token: int, key=None) -> bool:
+        """Whether the grammar allows ``token`` next (as ``mask`` would leave it), from the kept mask if any."""
+        bits = self._masks.get(key) if key is not None else None
+        if bits is not None:
+            return bool((int(bits[token >> 5]) >> (token & 31)) & 1)
+        if token in self._eos:  # (llguidance's validate_tokens refuses EOS even where the mask allows it)
+            return self.matcher.is_accepting()
+        return self.matcher.validate_tokens([int(token)]) == 1
 
     def forget(self) -> None:
         """The committed state moved on: the kept masks belong to states gone."""

@@ -38,8 +38,9 @@ class LogitsProcessor:
         self.pending: list[int] = []  # this round's drafted tokens on top of them
         self._consumed = 0  # of them, those the grammar consumed (an EOS ends the output: the grammar never sees it)
 
-    def apply(self, logits: np.ndarray) -> np.ndarray:
-        """The processed logits of the next position (after the committed and pushed tokens): a float32 copy."""
+    def apply(self, logits: np.ndarray, grammar: bool = True) -> np.ndarray:
+        """The processed logits of the next position (after the committed and pushed tokens): a float32 copy.
+        ``grammar=False`` leaves the grammar's mask out (see ``allows``)."""
         # logits [V] -> [V] float32
         p = self.params
         x = np.array(logits, dtype=np.float32)
@@ -55,9 +56,17 @@ class LogitsProcessor:
             ids = np.fromiter(self._counts.keys(), np.int64, len(self._counts))
             counts = np.fromiter(self._counts.values(), np.float32, len(self._counts))
             x[ids] -= p.frequency_penalty * counts + p.presence_penalty
-        if self.constraint is not None:
-            self.constraint.mask(x, tuple(self.pending))  # the state after the round's tokens so far
+        if grammar and self.constraint is not None:
+            self.mask(x)
         return x
+
+    def mask(self, x: np.ndarray) -> None:
+        """The grammar's mask on processed logits x [V] (in place), in the state after the round's tokens so far."""
+        self.constraint.mask(x, tuple(self.pending))
+
+    def allows(self, token: int) -> bool:
+        """Whether the grammar allows ``token`` at the next position (True without a grammar)."""
+        return self.constraint is None or self.constraint.allows(int(token), tuple(self.pending))
 
     def push(self, token: int) -> None:
         """One more token in front of the next position (a draft, or a verified position's token)."""

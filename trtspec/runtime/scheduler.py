@@ -179,6 +179,7 @@ class Scheduler:
                        if k_policy == "load-aware" else None)
         self._width = self.tree_width  # the tree width of the current round
         self._expected = None  # the tokens the load-aware policy expects of the current round
+        self._forced_taken = 0  # of the current round's accepted tokens, those a grammar forced
         self.prefill_chunk = min(prefill_chunk, self.max_call)
         self.sampling = sampling
         self.aging_s = float(aging_s)
@@ -591,6 +592,7 @@ class Scheduler:
         n, tc, stats, policy = self._n[:b], self._tc[:b], self._stats, self.policy
         width = self.tree_width
         self._expected = None  # the tokens the policy expects of this round (rows' own acceptance)
+        self._forced_taken = 0
         if policy is not None and caps.any():
             k, width = policy.choose_shape(b, caps, [(r.stats.accepted, r.stats.accepted + r.stats.rejected)
                                                      for r in rows])
@@ -636,7 +638,7 @@ class Scheduler:
         logits = self.target.forward(ids, (n - 1)[:, None] + np.arange(width))
         t2 = time.perf_counter()
         self._count_round(proposal, t0, t1, t2)
-        learn = policy is not None and not forced  # forced tokens say nothing about drafting
+        learn = policy is not None  # (_learn_round leaves the grammar's forced tokens out)
         if learn:
             self._learn_calls(b, width, t2 - t1, proposal, (t1 - t0) / max(drafts.shape[1], 1))
 
@@ -685,6 +687,7 @@ class Scheduler:
         r.stats.rounds += 1
         if forced:
             r.stats.forced_tokens += forced_accepted
+            self._forced_taken += forced_accepted
             accepted, proposed = accepted - forced_accepted, proposed - forced
         r.stats.record_accept(accepted, proposed)
         if proposed and self.policy is not None:
@@ -714,7 +717,7 @@ class Scheduler:
         t2 = time.perf_counter()
         self._count_round(proposal, t0, t1, t2)
         stats.tree_shapes[proposal.shape] = stats.tree_shapes.get(proposal.shape, 0) + 1
-        learn = policy is not None and not forced
+        learn = policy is not None
         if learn:
             self._learn_calls(b, width, t2 - t1, proposal, (t1 - t0) / max(k, 1))
         valid = n.copy()
@@ -837,7 +840,16 @@ class Scheduler:
             self.policy.draft.record(b, 1, per_draft_token_s)
 
     def _learn_round(self, b, k, proposal, emitted, seconds):
-        """Tell the load-aware policy what a whole round at (b, k) emitted and took."""
+        """Tell the load-aware policy what a whole round at (b, k) emitted and took. Tokens a grammar forced (before
+        the drafts or inside a chain) come whatever k is: they are left out of what the round emitted, and what
+        reading them cost (the calls' measured cost per token, the target's and, when drafting, the draft's) out of
+        its time. (Counted, a k = 1 chain that reached a forced run looked better than any longer one, and
+        drafting stayed at k = 1; their time left in, longer chains, which reach more forced runs, looked slower.)"""
+        forced = self._forced_taken
+        if forced:
+            emitted -= forced
+            per_token = self.policy.target.per_token(b) + (self.policy.draft.per_token(b) if k else 0.0)
+            seconds = max(seconds - forced * per_token, 0.1 * seconds)
         if proposal.calls and proposal.calls[0][1] > 2:
             # a long catch-up pays for earlier rounds that did not draft: charge this round a usual one
             seconds += self.policy.draft.estimate(b, 2) - proposal.calls[0][2]

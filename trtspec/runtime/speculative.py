@@ -71,6 +71,11 @@ class RowSampler:
     position, target's and draft's alike, with the state after the tokens before it. With ``params.logprobs``
     set, each emitted token's log-probability (sampling.log_probs) is kept for the output (``take_logprobs``).
     A ``plain`` sampler (neither) lets the engines' greedy loops run without it.
+
+    Lazy masking: a greedy or coupled row under a grammar (no top-k/top-p, no logprobs) picks from the logits
+    processed without the grammar's mask, then asks the grammar whether it allows that token. If so it is also the
+    pick under the mask (an argmax over a subset that holds the unmasked argmax), and the mask is never computed;
+    only where the grammar forbids the pick is the mask applied and the pick made again.
     """
 
     def __init__(self, params: SamplingParams, mode: str = "coupled", processor=None):
@@ -85,6 +90,10 @@ class RowSampler:
         self.plain = processor is None and params.logprobs is None
         self._logprobs: list = []  # (token, logprob, [(token, logprob), ...]) of tokens not yet taken
         self._gumbel: dict[int, np.ndarray] = {}  # coupled sampling's noise of this round's positions
+        p = params
+        self._lazy = (processor is not None and processor.constraint is not None and p.logprobs is None
+                      and (self.mode == "greedy" or (self.mode == "coupled" and p.top_k is None
+                                                     and (p.top_p is None or p.top_p >= 1))))
 
     def _noise(self, position: int, size: int) -> np.ndarray:
         # G_position: drawn once, when the draft proposes there, and read again when the target verifies it
@@ -103,11 +112,29 @@ class RowSampler:
         # x: processed logits [V]
         if self.mode == "greedy":
             return int(x.argmax())
-        p = self.params.probs(x)
+        prm = self.params
         if self.mode == "rejection":
-            return sample(p, self.rng)
-        with np.errstate(divide="ignore"):
-            return int((np.log(p) + self._noise(position, p.size)).argmax())
+            return sample(prm.probs(x), self.rng)
+        # Gumbel-max over p's support: argmax(log p + G) = argmax(x / T + G), log p and x / T differing by a
+        # constant there (so a masked and an unmasked pick score every allowed token alike)
+        score = x.astype(np.float64) / prm.temperature + self._noise(position, x.size)
+        if prm.top_k is not None or (prm.top_p is not None and prm.top_p < 1):
+            score[prm.probs(x) == 0] = -np.inf
+        return int(score.argmax())
+
+    def _choose(self, logits: np.ndarray, position: int) -> tuple[int, np.ndarray]:
+        """The token at ``position`` and the processed logits it came from; with lazy masking those may lack the
+        grammar's mask (the token is the pick under it all the same)."""
+        if not self._lazy:
+            x = self._process(logits)
+            return self._pick(x, position), x
+        proc = self.processor
+        x = proc.apply(logits, grammar=False)
+        token = self._pick(x, position)
+        if proc.allows(token):
+            return token, x
+        proc.mask(x)
+        return self._pick(x, position), x
 
     def _record(self, x: np.ndarray, token: int) -> None:
         if self.params.logprobs is not None:
@@ -121,8 +148,7 @@ class RowSampler:
     def choose(self, logits: np.ndarray, position: int) -> int:
         """The token at sequence ``position`` from the distribution these logits give."""
         # logits [V]
-        x = self._process(logits)
-        token = self._pick(x, position)
+        token, x = self._choose(logits, position)
         self._record(x, token)
         return token
 
@@ -130,14 +156,17 @@ class RowSampler:
         """A draft token for ``position`` and, for rejection sampling, the draft distribution q it came from.
         -1: the draft has no token the request allows here (a head's reduced vocabulary under a grammar), so the
         chain ends before this position."""
-        x = self._process(logits)
-        if x.max() == -np.inf:
-            return -1, None
         if self.mode == "rejection":
+            x = self._process(logits)
+            if x.max() == -np.inf:
+                return -1, None
             q = self.params.probs(x)
             token = sample(q, self.rng)
         else:
-            q, token = None, self._pick(x, position)
+            token, x = self._choose(logits, position)
+            if x.max() == -np.inf:
+                return -1, None
+            q = None
         if self.processor is not None:
             self.processor.push(token)  # the next position is processed after it
         return token, q
@@ -196,7 +225,7 @@ class RowSampler:
         else:
             m, chosen = drafts.size, []
             for j in range(m + 1):
-                chosen.append(self._pick(processed.logits(j), position + j))
+                chosen.append(processed.choose(j, position + j))
                 if j < m and chosen[j] != drafts[j]:
                     break
             a, token = accept_chosen(drafts, np.asarray(chosen))
@@ -230,9 +259,9 @@ class RowSampler:
             proc.rollback()  # the drafter pushed its own proposals
         path, node = [], -1
         while True:
-            x = self._process(target_logits[node + 1])
             kids = children.get(node, ())
             if self.mode == "rejection":
+                x = self._process(target_logits[node + 1])
                 p = self.params.probs(x)
                 residual, token, nxt = p.copy(), None, None
                 for kid in kids:
@@ -245,7 +274,7 @@ class RowSampler:
                 if token is None:  # (all of p on tried children has probability 0 of every one rejected)
                     token = sample(residual if residual.sum() > 0 else p, self.rng)
             else:
-                token = self._pick(x, position + len(path))
+                token, x = self._choose(target_logits[node + 1], position + len(path))
                 nxt = next((kid for kid in kids if drafts[kid] == token), None)
             self._record(x, token)
             if nxt is None:
@@ -267,15 +296,28 @@ class _ProcessedRows:
         self.sampler, self.raw, self.drafts = sampler, logits, drafts
         self._rows: list[np.ndarray] = []
         self._probs: dict[int, np.ndarray] = {}
+        self._pushed = 0  # drafts pushed to the processor: its state is row _pushed's
+
+    def _at(self, j: int) -> None:
+        proc = self.sampler.processor
+        while self._pushed < j:
+            if proc is not None:
+                proc.push(self.drafts[self._pushed])
+            self._pushed += 1
 
     def logits(self, j: int) -> np.ndarray:
-        proc = self.sampler.processor
         while len(self._rows) <= j:
             i = len(self._rows)
-            if i and proc is not None:
-                proc.push(self.drafts[i - 1])
+            self._at(i)
             self._rows.append(self.sampler._process(self.raw[i]))
         return self._rows[j]
+
+    def choose(self, j: int, position: int) -> int:
+        """The row's own token at row j (greedy or coupled), lazily masked where the sampler may."""
+        if not self.sampler._lazy:
+            return self.sampler._pick(self.logits(j), position)
+        self._at(j)
+        return self.sampler._choose(self.raw[j], position)[0]
 
     def __getitem__(self, key):
         j, rest = (key[0], key[1:]) if isinstance(key, tuple) else (key, ())
