@@ -444,3 +444,29 @@ def test_a_stream_left_early_is_cancelled(target, alone):
     # the generator still serves the next request correctly
     want = alone(make_prompt(81, 4), max_new_tokens=12).token_ids
     assert gen.generate(make_prompt(81, 4), max_new_tokens=12).token_ids == want
+
+
+def test_warm_up_calls_every_engine_at_its_widest_and_leaves_outputs_exact(target, draft, alone):
+    """warm_up (the server's, before requests come) calls each engine once with every row and its widest call,
+    writing slots no request holds: batched speculative outputs afterwards equal each request's target-only
+    output. While a request runs it does nothing."""
+    calls = []
+
+    def record(ids, pos, first_row):
+        calls.append(ids.shape)
+        time.sleep(0.002)  # (a request lasts long enough to ask warm_up while it runs)
+
+    scheduler = Scheduler(WrappedEngine(target, record), WrappedEngine(draft, record), num_draft_tokens=3)
+    assert scheduler.warm_up()
+    assert calls == [(4, 32), (4, 32)]
+    prompts = [make_prompt(90 + i, 6 + 3 * i) for i in range(4)]
+    outs = [h.result() for h in scheduler.submit_many(prompts, [{"max_new_tokens": 20}] * 4)]
+    assert [o.token_ids for o in outs] == [alone(p, max_new_tokens=20).token_ids for p in prompts]
+    handle = scheduler.submit(make_prompt(99, 40), max_new_tokens=150)
+    while scheduler.stats().running == 0:
+        time.sleep(0.001)
+    calls.clear()
+    assert scheduler.warm_up() is False and handle.result().finish_reason == "length"
+    assert (4, 32) not in calls
+    assert handle.result().token_ids == alone(make_prompt(99, 40), max_new_tokens=150).token_ids
+    scheduler.close()

@@ -54,7 +54,9 @@ def create_app(scheduler, *, model_name: str, api_key: str | None = None, max_qu
         connect = getattr(scheduler, "connect", None)
         if connect is not None:
             await connect()
-        if warmup:  # one short generation: sessions initialised, first-call costs paid before /health says ok
+        if warmup:  # the widest call, then one short generation: first-call costs paid before /health says ok
+            if hasattr(scheduler, "warm_up"):
+                await asyncio.to_thread(scheduler.warm_up)
             bos = scheduler.bos_id if scheduler.bos_id is not None else 0
             await scheduler.agenerate([bos], max_new_tokens=2)
         state.ready = True
