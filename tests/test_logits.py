@@ -305,42 +305,62 @@ def test_grammar_rounds_verify_forced_tokens_then_drafts_and_rejection_sampling_
 GRAMMARS = {
     "json_schema": {"type": "json_schema", "json_schema": {"name": "s", "schema": {
         "type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "yz"]},
-                                         "c": {"type": "array", "items": {"type": "string", "maxLength": 4}}},
-        "required": ["a", "b", "c"], "additionalProperties": False}}},
+                                         "c": {"type": "array", "items": {"type": "string", "maxLength": 4}},
+                                         "gamma": {"type": "array", "items": {"type": "integer"}, "maxItems": 3}},
+        "required": ["a", "b", "c", "gamma"], "additionalProperties": False}}},
     "regex": {"type": "regex", "regex": "(ab|c)+d?"},  # accepting and not finished after each "ab"/"c"
     "lark": {"type": "grammar", "grammar": 'start: "x" ("+" NUM)*\nNUM: /[0-9]{1,3}/'},
     "loose": {"type": "regex", "regex": '[^"]{0,40}'},  # most picks allowed: lazy masking's usual case
 }
 
 
+@pytest.fixture(scope="module")
+def json_tokenizer():
+    """A BPE tokenizer that learnt JSON: multi-byte tokens such as '": ' and ', "' make forced bytes that several
+    token sequences spell (where llguidance's mask keeps only the canonical one)."""
+    from trtspec.testing import make_tokenizer
+
+    docs = ['{"a": 12, "b": "x", "c": ["ab", "yz"]}', '{"alpha": "beta", "gamma": [1, 2], "delta": null}',
+            'x+12+7+300', "abcabcd cd ab"]
+    return make_tokenizer(vocab_size=400, corpus=docs * 8)
+
+
 @pytest.mark.parametrize("name", list(GRAMMARS))
-def test_grammar_allows_agrees_with_the_mask_on_every_token_of_every_state(name, plain):
-    """Constraint.allows (one token, no mask: what lazy masking asks) says exactly what the mask says, for every
-    token of the vocabulary, in every state of a walk through the grammar, EOS included, and from a kept mask."""
-    compiler = plain.scheduler._grammar_compiler()
-    c = compiler.constraint(GRAMMARS[name])
-    eos = compiler.eos_ids
+def test_grammar_allows_agrees_with_the_mask_on_every_token_of_every_state(name, json_tokenizer):
+    """Constraint.allows (one token, without the mask where it can: what lazy masking asks) says exactly what the
+    mask says, for every token of the vocabulary, in every state of random walks through the grammar: EOS, kept
+    masks, and states whose forced bytes other tokens than the canonical ones spell (llguidance's validate_tokens
+    takes those; the JSON walks must meet such states)."""
+    from trtspec.runtime.grammar import GrammarCompiler
+
+    tok = json_tokenizer
+    eos = [tok.eos_token_id]
+    compiler = GrammarCompiler(tok, len(tok), eos)
     rng = np.random.default_rng(0)
-    vocab = c.vocab_size
-    states = 0
-    while True:
-        x = np.zeros(vocab, np.float32)
-        c.mask(x)
-        allowed = np.isfinite(x)
-        told = np.array([c.allows(t) for t in range(vocab)])
-        assert (told == allowed).all(), np.flatnonzero(told != allowed)[:10]
-        c.mask(np.zeros(vocab, np.float32), key=("kept",))
-        assert all(c.allows(t, key=("kept",)) == allowed[t] for t in rng.choice(vocab, 64))
-        c.forget()
-        states += 1
-        choices = [t for t in np.flatnonzero(allowed) if t not in eos]
-        if not choices or c.finished or states > 40:
-            assert allowed[eos].any() == (c.finished or bool(c.matcher.is_accepting()))
-            break
-        if states > 3 and any(allowed[e] for e in eos):
-            assert c.matcher.is_accepting()  # an accepting state that goes on (the regex's and the lark grammar's)
-        c.consume(int(rng.choice(choices)))
-    assert states > 3
+    states = raw_disagreements = 0
+    for walk in range(6):
+        c = compiler.constraint(GRAMMARS[name])
+        for _ in range(40):
+            x = np.zeros(c.vocab_size, np.float32)
+            c.mask(x)
+            allowed = np.isfinite(x)
+            told = np.array([c.allows(t) for t in range(c.vocab_size)])
+            assert (told == allowed).all(), (name, np.flatnonzero(told != allowed)[:10])
+            raw = np.array([c.matcher.validate_tokens([t]) == 1 for t in range(c.vocab_size)])
+            raw[eos] = allowed[eos]
+            raw_disagreements += int((raw != allowed).any())
+            c.mask(np.zeros(c.vocab_size, np.float32), key=("kept",))
+            assert all(c.allows(t, key=("kept",)) == allowed[t] for t in rng.choice(c.vocab_size, 64))
+            c.forget()
+            states += 1
+            choices = [t for t in np.flatnonzero(allowed) if t not in eos]
+            if not choices or c.finished:
+                assert allowed[eos].all()
+                break
+            c.consume(int(rng.choice(choices)))
+    assert states >= 10
+    if name == "json_schema":
+        assert raw_disagreements > 0  # the walks met forced bytes spelt by non-canonical tokens
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
