@@ -8,6 +8,7 @@ ratios between servers come from the same minutes of a shared machine.
     python benchmarks/bench_serve.py [--requests 24] [--max-tokens 128] [--rates 1 2 4]
     python benchmarks/bench_serve.py --baseline /path/to/other/checkout --no-hf   # this code vs another checkout
     python benchmarks/bench_serve.py --no-hf --llama-server BIN --llama-model TARGET.gguf --llama-draft DRAFT.gguf
+    python benchmarks/bench_serve.py --no-hf --only draft --draft-k 4 8   # draft servers drafting up to 4 and 8
 
 ``--llama-server``: llama.cpp's server (built by the user; trtspec ships none of it) on the same model converted to
 GGUF float32, 8 slots, 2 threads, with and without its draft model, in the same rotation.
@@ -44,17 +45,20 @@ def free_port() -> int:
 
 
 def servers(baseline: Path | None = None, hf: bool = True, llama: tuple | None = None,
-            only: list[str] | None = None) -> dict[str, tuple[list[str], dict | None]]:
-    """name -> (command, environment or None); ``baseline``: also trtspec's two servers from that checkout;
-    ``llama``: (llama-server binary, target GGUF, draft GGUF or None)."""
+            only: list[str] | None = None, draft_k=(4,)) -> dict[str, tuple[list[str], dict | None]]:
+    """name -> (command, environment or None); ``baseline``: also trtspec's servers from that checkout;
+    ``llama``: (llama-server binary, target GGUF, draft GGUF or None); ``draft_k``: one draft server per most
+    drafts a round (-k; load-aware k below it)."""
     engines()  # builds the max-batch-8 engines if missing
     target = ROOT / "engines" / "stdlib-target-b8-s512"
     draft = ROOT / "engines" / "stdlib-draft-b8-s512"
     # prefix cache off: the load levels send the same prompts again, and reusing them would flatter trtspec
     trtspec = [sys.executable, "-m", "trtspec", "serve", "--target", str(target), "--threads", "2",
                "--served-model-name", "stdlib", "--prefix-cache-mb", "0"]
-    out = {"trtspec serve (plain)": (trtspec + ["--drafter", "none"], None),
-           "trtspec serve (draft, load-aware k)": (trtspec + ["--draft", str(draft), "-k", "4"], None)}
+    out = {"trtspec serve (plain)": (trtspec + ["--drafter", "none"], None)}
+    for k in draft_k:  # (-k 4: the name earlier results have)
+        name = "trtspec serve (draft, load-aware k)" if k == 4 else f"trtspec serve (draft, load-aware k <= {k})"
+        out[name] = (trtspec + ["--draft", str(draft), "-k", str(k)], None)
     if baseline is not None:
         env = {**os.environ, "PYTHONPATH": str(baseline)}
         out.update({f"{name}, baseline": (cmd, env) for name, (cmd, _) in list(out.items())})
@@ -149,6 +153,8 @@ def main(argv=None):
     ap.add_argument("--llama-model", type=Path, help="the bundled target converted to GGUF (float32)")
     ap.add_argument("--llama-draft", type=Path, help="the bundled draft converted to GGUF (float32)")
     ap.add_argument("--only", nargs="+", help="only the servers whose names contain one of these")
+    ap.add_argument("--draft-k", type=int, nargs="+", default=[4],
+                    help="one draft server per value: the most drafts a round (-k; default 4)")
     args = ap.parse_args(argv)
     if args.llama_server is not None and args.llama_model is None:
         ap.error("--llama-server needs --llama-model (the target in GGUF)")
@@ -159,7 +165,8 @@ def main(argv=None):
     procs, urls = [], {}
     try:
         llama = (args.llama_server, args.llama_model, args.llama_draft) if args.llama_server else None
-        for name, (cmd, env) in servers(args.baseline, hf=not args.no_hf, llama=llama, only=args.only).items():
+        for name, (cmd, env) in servers(args.baseline, hf=not args.no_hf, llama=llama, only=args.only,
+                                            draft_k=args.draft_k).items():
             port = free_port()
             procs.append(start(cmd, port, env))
             urls[name] = f"http://127.0.0.1:{port}/v1"
@@ -186,15 +193,16 @@ def main(argv=None):
                 proc.kill()
                 proc.wait()
     texts = res["texts"]
-    first = texts.get("trtspec serve (plain)")
-    res["outputs_identical_to_trtspec_plain"] = {name: t == first for name, t in texts.items() if t is not first}
+    reference = "trtspec serve (plain)" if "trtspec serve (plain)" in texts else next(iter(texts))
+    res["identical_greedy_text_to"] = reference
+    res["outputs_identical"] = {name: t == texts[reference] for name, t in texts.items() if name != reference}
     del res["texts"]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(res, indent=1))
     args.out.with_suffix(".md").write_text(markdown(res))
     plot(res, args.out.with_suffix(".png"))
     print(markdown(res))
-    print(f"identical greedy text to trtspec serve (plain): {res['outputs_identical_to_trtspec_plain']}")
+    print(f"identical greedy text to {reference}: {res['outputs_identical']}")
 
 
 if __name__ == "__main__":
