@@ -79,8 +79,9 @@ def main(argv=None):
     # every call into the grammar, through the Constraint the runtime uses (the outermost call counts: a kept
     # mask's bitmask inside allows is not counted twice)
     grammar_s, depth = [0.0], [0]
-    originals = {m: getattr(grammar_module.Constraint, m)
-                 for m in ("mask", "allows", "consume", "rollback", "forced", "allowed_prefix")}
+    originals = {m: getattr(grammar_module.Constraint, m)  # (an older checkout has no allows)
+                 for m in ("mask", "allows", "consume", "rollback", "forced", "allowed_prefix")
+                 if hasattr(grammar_module.Constraint, m)}
 
     def timed(method):
         def call(self, *a, **kw):

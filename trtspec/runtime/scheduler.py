@@ -663,7 +663,9 @@ class Scheduler:
         logits = self.target.forward(ids, (n - 1)[:, None] + np.arange(width))
         t2 = time.perf_counter()
         self._count_round(proposal, t0, t1, t2)
-        learn = policy is not None  # (_learn_round leaves the grammar's forced tokens out)
+        # rounds that verify forced tokens before the drafts are left out (their cost and tokens are the grammar's);
+        # forced tokens inside a chain are taken out of a round's record by _learn_round
+        learn = policy is not None and not forced
         if learn:
             self._learn_calls(b, width, t2 - t1, proposal, (t1 - t0) / max(drafts.shape[1], 1))
 
@@ -742,7 +744,7 @@ class Scheduler:
         t2 = time.perf_counter()
         self._count_round(proposal, t0, t1, t2)
         stats.tree_shapes[proposal.shape] = stats.tree_shapes.get(proposal.shape, 0) + 1
-        learn = policy is not None
+        learn = policy is not None and not forced
         if learn:
             self._learn_calls(b, width, t2 - t1, proposal, (t1 - t0) / max(k, 1))
         valid = n.copy()
@@ -865,11 +867,13 @@ class Scheduler:
             self.policy.draft.record(b, 1, per_draft_token_s)
 
     def _learn_round(self, b, k, proposal, emitted, seconds):
-        """Tell the load-aware policy what a whole round at (b, k) emitted and took. Tokens a grammar forced (before
-        the drafts or inside a chain) come whatever k is: they are left out of what the round emitted, and what
-        reading them cost (the calls' measured cost per token, the target's and, when drafting, the draft's) out of
-        its time. (Counted, a k = 1 chain that reached a forced run looked better than any longer one, and
-        drafting stayed at k = 1; their time left in, longer chains, which reach more forced runs, looked slower.)"""
+        """Tell the load-aware policy what a whole round at (b, k) emitted and took. Tokens a grammar forced inside a
+        draft chain come whatever k is: they are left out of what the round emitted, and what reading them cost
+        (the calls' measured cost per token, the target's and, when drafting, the draft's) out of its time.
+        (Counted, a k = 1 chain that reached a forced run looked better than any longer one, and drafting stayed at
+        k = 1; their time left in, longer chains, which reach more forced runs, looked slower. Rounds that start
+        with forced tokens are not recorded at all: learnt from, with the grammar's other costs, they made plain
+        rows of the same batch size draft fewer tokens than pays for them.)"""
         forced = self._forced_taken
         if forced:
             emitted -= forced
