@@ -177,14 +177,6 @@ class Scheduler:
         widths = (1, self.tree_width) if drafter in ("draft", "eagle3") else (1,)
         self.policy = (LoadAwareK(self.num_draft_tokens, self.allowed_k, widths=widths, nodes=tree_nodes)
                        if k_policy == "load-aware" else None)
-        # rounds with rows under a grammar keep their rates apart (the grammar's work and forced tokens make their
-        # rounds dearer for the same drafts: learnt together, plain rows drafted too few); engine calls cost the same
-        self.grammar_policy = None
-        if self.policy is not None:
-            self.grammar_policy = LoadAwareK(self.num_draft_tokens, self.allowed_k, widths=widths, nodes=tree_nodes)
-            for costs in ("target", "tree_target", "draft"):
-                setattr(self.grammar_policy, costs, getattr(self.policy, costs))
-        self._round_policy = self.policy  # the current round's
         self._width = self.tree_width  # the tree width of the current round
         self._expected = None  # the tokens the load-aware policy expects of the current round
         self._forced_taken = 0  # of the current round's accepted tokens, those a grammar forced
@@ -600,13 +592,6 @@ class Scheduler:
             if not (lone and self._keeps_going(rows[0])):
                 return
 
-    def _policy_of(self, rows):
-        """The load-aware policy of a round over ``rows``: the grammar rows' own if any row has a grammar."""
-        if self.grammar_policy is not None and any(r.sampler.processor is not None
-                                                   and r.sampler.processor.constraint is not None for r in rows):
-            return self.grammar_policy
-        return self.policy
-
     def _caps(self, rows) -> np.ndarray:
         """The most drafts each row may have this round: its k, the room left in the cache and in its output."""
         return np.minimum(self._room(rows), [r.k for r in rows])
@@ -629,8 +614,7 @@ class Scheduler:
     def _speculate(self, rows, caps):
         """One round over rows [0, B): propose, ONE target call over [last token, drafts...] per row, accept."""
         b = len(rows)
-        policy = self._round_policy = self._policy_of(rows)
-        n, tc, stats = self._n[:b], self._tc[:b], self._stats
+        n, tc, stats, policy = self._n[:b], self._tc[:b], self._stats, self.policy
         width = self.tree_width
         self._expected = None  # the tokens the policy expects of this round (rows' own acceptance)
         self._forced_taken = 0
@@ -733,8 +717,8 @@ class Scheduler:
             self._forced_taken += forced_accepted
             accepted, proposed = accepted - forced_accepted, proposed - forced
         r.stats.record_accept(accepted, proposed)
-        if proposed and self._round_policy is not None:
-            self._round_policy.record_acceptance(proposed, accepted, width)
+        if proposed and self.policy is not None:
+            self.policy.record_acceptance(proposed, accepted, width)
         self._stats.proposed += proposed
         self._stats.accepted += accepted
 
@@ -742,7 +726,7 @@ class Scheduler:
         """The rest of a round whose drafts form trees: ONE target call over [last token, nodes...] per row with
         the tree mask, each row's sampler walks its tree, the accepted path's K/V move into place (keep_path)."""
         b = len(rows)
-        n, tc, stats, policy = self._n[:b], self._tc[:b], self._stats, self._round_policy
+        n, tc, stats, policy = self._n[:b], self._tc[:b], self._stats, self.policy
         # every row writes the call's width of slots from n - 1: the tree is cut to the room in the cache
         room = int((self.capacity - n).min())
         counts = np.minimum(proposal.counts, min(room, self.max_call - 1))
@@ -893,12 +877,12 @@ class Scheduler:
         forced = self._forced_taken
         if forced:
             emitted -= forced
-            per_token = self.policy.target.per_token(b) + (self.policy.draft.per_token(b) if k else 0.0)  # (shared)
+            per_token = self.policy.target.per_token(b) + (self.policy.draft.per_token(b) if k else 0.0)
             seconds = max(seconds - forced * per_token, 0.1 * seconds)
         if proposal.calls and proposal.calls[0][1] > 2:
             # a long catch-up pays for earlier rounds that did not draft: charge this round a usual one
             seconds += self.policy.draft.estimate(b, 2) - proposal.calls[0][2]
-        self._round_policy.record_round(b, k, emitted, seconds, self._width if proposal.parents is not None else 1,
+        self.policy.record_round(b, k, emitted, seconds, self._width if proposal.parents is not None else 1,
                                  self._expected)
 
     def _decode_alone(self, r):
