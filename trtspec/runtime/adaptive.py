@@ -64,14 +64,6 @@ class CallCosts:
                     self._fit = (slope, intercept)
         return self._fit
 
-    def per_token(self, b: int) -> float:
-        """Seconds one more token of one row adds to a call: the fit's slope, else the prior's (0 unmeasured)."""
-        fit = self._fitted() if self.means else False
-        if fit:
-            return float(fit[0])
-        decode = self.estimate(b, 1)
-        return _PRIOR_SLOPE * decode / b if decode is not None else 0.0
-
     def estimate(self, b: int, t: int) -> float | None:
         if (b, t) in self.means:
             return self.means[(b, t)][0]

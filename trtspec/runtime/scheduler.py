@@ -179,7 +179,6 @@ class Scheduler:
                        if k_policy == "load-aware" else None)
         self._width = self.tree_width  # the tree width of the current round
         self._expected = None  # the tokens the load-aware policy expects of the current round
-        self._forced_taken = 0  # of the current round's accepted tokens, those a grammar forced
         self.prefill_chunk = min(prefill_chunk, self.max_call)
         self.sampling = sampling
         self.aging_s = float(aging_s)
@@ -617,7 +616,6 @@ class Scheduler:
         n, tc, stats, policy = self._n[:b], self._tc[:b], self._stats, self.policy
         width = self.tree_width
         self._expected = None  # the tokens the policy expects of this round (rows' own acceptance)
-        self._forced_taken = 0
         if policy is not None and caps.any():
             k, width = policy.choose_shape(b, caps, [(r.stats.accepted, r.stats.accepted + r.stats.rejected)
                                                      for r in rows])
@@ -714,7 +712,6 @@ class Scheduler:
         r.stats.rounds += 1
         if forced:
             r.stats.forced_tokens += forced_accepted
-            self._forced_taken += forced_accepted
             accepted, proposed = accepted - forced_accepted, proposed - forced
         r.stats.record_accept(accepted, proposed)
         if proposed and self.policy is not None:
@@ -867,18 +864,14 @@ class Scheduler:
             self.policy.draft.record(b, 1, per_draft_token_s)
 
     def _learn_round(self, b, k, proposal, emitted, seconds):
-        """Tell the load-aware policy what a whole round at (b, k) emitted and took. Tokens a grammar forced inside a
-        draft chain come whatever k is: they are left out of what the round emitted, and what reading them cost
-        (the calls' measured cost per token, the target's and, when drafting, the draft's) out of its time.
-        (Counted, a k = 1 chain that reached a forced run looked better than any longer one, and drafting stayed at
-        k = 1; their time left in, longer chains, which reach more forced runs, looked slower. Rounds that start
-        with forced tokens are not recorded at all: learnt from, with the grammar's other costs, they made plain
-        rows of the same batch size draft fewer tokens than pays for them.)"""
-        forced = self._forced_taken
-        if forced:
-            emitted -= forced
-            per_token = self.policy.target.per_token(b) + (self.policy.draft.per_token(b) if k else 0.0)
-            seconds = max(seconds - forced * per_token, 0.1 * seconds)
+        """Tell the load-aware policy what a whole round at (b, k) emitted and took. A round whose chains held tokens
+        a grammar forced is not recorded: they come whatever k is and cost what the grammar's work costs, so such
+        a round says little about k. (Counted as output, a k = 1 chain that reached a forced run looked better than
+        any longer one, and drafting stayed at k = 1; left out of the output but not of the time, longer chains,
+        which reach more forced runs, looked slower, and plain rows at the same batch size drafted too few.)
+        Grammar rows learn from their rounds of free text, with their own acceptance."""
+        if proposal.forced is not None and proposal.forced.any():
+            return
         if proposal.calls and proposal.calls[0][1] > 2:
             # a long catch-up pays for earlier rounds that did not draft: charge this round a usual one
             seconds += self.policy.draft.estimate(b, 2) - proposal.calls[0][2]
