@@ -54,16 +54,6 @@ class CallCosts:
         entry[1] = min(entry[1] + 1, _MEMORY)
         entry[0] += (seconds - entry[0]) / entry[1]
 
-    def _fitted(self):
-        if self._fit is None:
-            self._fit = False
-            sizes = np.array([bb * tt for bb, tt in self.means], dtype=float)
-            if np.unique(sizes).size >= 2:
-                slope, intercept = np.polyfit(sizes, [m for m, _ in self.means.values()], 1)
-                if slope > 0 and intercept > 0:
-                    self._fit = (slope, intercept)
-        return self._fit
-
     def estimate(self, b: int, t: int) -> float | None:
         if (b, t) in self.means:
             return self.means[(b, t)][0]
@@ -71,7 +61,13 @@ class CallCosts:
             return None
         sizes = np.array([bb * tt for bb, tt in self.means], dtype=float)
         costs = np.array([m for m, _ in self.means.values()])
-        if self._fitted():
+        if self._fit is None:
+            self._fit = False
+            if np.unique(sizes).size >= 2:
+                slope, intercept = np.polyfit(sizes, costs, 1)
+                if slope > 0 and intercept > 0:
+                    self._fit = (slope, intercept)
+        if self._fit:
             slope, intercept = self._fit
             return float(intercept + slope * b * t)
         # one size measured (or a fit that makes no sense yet): scale the nearest by the prior slope

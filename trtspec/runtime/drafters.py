@@ -220,7 +220,7 @@ class DraftModelDrafter:
             # beyond what they hold, overwritten later). Every row's slots stay consecutive and inside the cache: a
             # row near the end bounds the call's width, and a row with more to read reads the rest next call
             pending = length - fed_drafts
-            start = np.where(going, n + fed_drafts, np.where(counts > 0, n + fed_drafts, cached))
+            start = np.where(counts > 0, n + fed_drafts, cached)  # (rows going draft: counts > 0)
             width = max(1, min(int(pending[going].max()), int((capacity - start).min())))
             offsets = np.arange(width)
             step_pos = np.minimum(start[:, None] + offsets, capacity - 1)

@@ -661,8 +661,8 @@ class Scheduler:
         logits = self.target.forward(ids, (n - 1)[:, None] + np.arange(width))
         t2 = time.perf_counter()
         self._count_round(proposal, t0, t1, t2)
-        # rounds that verify forced tokens before the drafts are left out (their cost and tokens are the grammar's);
-        # forced tokens inside a chain are taken out of a round's record by _learn_round
+        # rounds that verify forced tokens before the drafts are left out (their cost and tokens are the grammar's),
+        # and so are those whose chains held forced tokens (_learn_round)
         learn = policy is not None and not forced
         if learn:
             self._learn_calls(b, width, t2 - t1, proposal, (t1 - t0) / max(drafts.shape[1], 1))
