@@ -436,5 +436,5 @@ def test_load_aware_k_records_no_round_whose_chain_held_forced_tokens(target, no
     assert scheduler.policy.rounds == {}
     chain.forced = np.zeros_like(marks)
     scheduler._learn_round(1, 4, chain, 5, 6e-3)
-    assert list(scheduler.policy.rounds) == [(1, 4, 1)] and scheduler.policy.rounds[(1, 4, 1)][:3] == [5, 6e-3, 1]
+    assert list(scheduler.policy.rounds) == [(1, 4, 1, False)] and scheduler.policy.rounds[(1, 4, 1, False)][:3] == [5, 6e-3, 1]
     gen.close()

@@ -195,7 +195,7 @@ def test_the_lone_row_loop_feeds_the_load_aware_policy_what_the_batch_path_does(
         gen = Generator(target, draft, num_draft_tokens=4, k_policy="load-aware")
         gen.scheduler.lone_row_loops = loops
         policy, log, script = gen.scheduler.policy, [], itertools.cycle([0, 3, 1, 4, 0, 0, 2])
-        policy.choose_shape = lambda b, caps, seen=None: (min(next(script), int(caps.max())), 1)
+        policy.choose_shape = lambda b, caps, seen=None, sampled=False: (min(next(script), int(caps.max())), 1)
         for name in ("record_round", "record_acceptance"):
             method = getattr(policy, name)
             setattr(policy, name, lambda *a, _m=method, _n=name: log.append((_n, *a[:3])) or _m(*a))
@@ -428,6 +428,30 @@ def test_load_aware_k_weighs_each_rows_own_acceptance():
     assert policy.choose_shape(1, caps, high)[0] == 4
     assert policy.last_expected == pytest.approx(policy.expected_tokens(4, caps, alphas=policy.row_alphas(high)))
     # a row with nothing checked yet starts from the policy's alpha
+
+
+def test_load_aware_k_measures_sampled_rounds_apart_and_gives_sampled_rows_their_own_prior():
+    # the same acceptance, but sampled rounds cost more per drafted position (noise, the rejection rule): drafting
+    # pays for greedy rows and not for sampled ones, which a table shared by both would not see
+    policy = LoadAwareK(4, [1, 2, 3, 4])
+    caps, rows = np.array([4]), [(30, 40)]
+    for _ in range(5):
+        for k in range(5):
+            expected = policy.expected_tokens(k, caps, alphas=policy.row_alphas(rows))
+            policy.record_round(1, k, expected, 2.0e-3 + 0.3e-3 * k, expected=expected)
+            policy.record_round(1, k, expected, 2.0e-3 + 2.5e-3 * k, expected=expected, sampled=True)
+    greedy_k = policy.choose_shape(1, caps, rows)[0]
+    assert greedy_k >= 2
+    assert policy.choose_shape(1, caps, rows, sampled=True)[0] == 0
+    assert policy.choose(1, caps, rows, sampled=False) == greedy_k  # the sampled rounds left the greedy table alone
+    # a sampled row that has checked nothing yet starts from sampled rows' acceptance, a greedy one from greedy rows'
+    for _ in range(40):
+        policy.record_acceptance(4, 4)  # greedy rows: every draft accepted
+        policy.record_acceptance(4, 1, sampled=True)  # sampled rows: 1 of 2 checked
+    greedy, sampled, either = policy.row_alphas([(0, 0, False), (0, 0, True), (0, 0)])
+    assert sampled == pytest.approx(policy.alpha_of(1, sampled=True)) and sampled < 0.55
+    assert greedy == pytest.approx(policy.alpha_of(1, sampled=False)) and greedy > 0.95
+    assert either == pytest.approx(policy.alpha) and sampled < either < greedy
     assert policy.row_alphas([(0, 0)]) == [pytest.approx(policy.alpha)]
 
 

@@ -14,10 +14,14 @@ change in acceptance (another kind of prompt) is noticed; while the best stays t
 doubles, up to _PROBE_MAX rounds (a try is not free: after plain rounds the draft catches up on every token).
 
 Acceptance is the rows' own: each row's alpha is its request's accepted / checked drafts, starting from the
-policy's alpha (all rows so far) as a prior. A measured rate is scaled by how many tokens the current rows are
+policy's alpha for rows of its kind (greedy or sampled: sampling accepts less than greedy decoding from the same
+draft) as a prior. A measured rate is scaled by how many tokens the current rows are
 expected to emit against how many the rows it was measured on were (E(alpha, k) summed over the rows, both
 times), so rounds of requests that accept little (sampling, another language) do not turn drafting off for
-requests that accept much (greedy code, JSON under a grammar), nor the other way round.
+requests that accept much (greedy code, JSON under a grammar), nor the other way round. Rounds with sampled rows
+are measured apart from greedy ones (keyed by whether any row samples): a sampled position costs more host work
+than a greedy one (noise, the rejection rule), which a scale by acceptance does not capture, and drafting that
+pays for greedy rows may not for sampled rows at the same acceptance.
 """
 
 from __future__ import annotations
@@ -91,38 +95,49 @@ class LoadAwareK:
         self.nodes = nodes
         self.checked: dict[int, int] = {w: 0 for w in self.widths}
         self.accepted: dict[int, int] = {w: 0 for w in self.widths}
+        self.by_kind: dict[bool, list[int]] = {False: [0, 0], True: [0, 0]}  # sampled? -> chains' [accepted, checked]
         self.target = CallCosts()
         self.tree_target = CallCosts()  # tree calls apart: on onnxruntime they run another graph than chains do
         self.draft = CallCosts()
-        # (b, k, width) -> [mean tokens, mean seconds, rounds, mean tokens expected from the rows' acceptance]
+        # (b, k, width, sampled) -> [mean tokens, mean seconds, rounds, mean tokens expected from the rows' acceptance]
         self.rounds: dict[tuple, list[float]] = {}
-        self.since_probe: dict[int, int] = {}
-        self.probe_gap: dict[int, int] = {}  # b -> rounds between tries of a neighbour
-        self.best: dict[int, tuple[int, int]] = {}  # b -> the best shape when last chosen
+        self.since_probe: dict[tuple, int] = {}  # (b, sampled) -> rounds since the last try of a neighbour
+        self.probe_gap: dict[tuple, int] = {}  # (b, sampled) -> rounds between tries of a neighbour
+        self.best: dict[tuple, tuple[int, int]] = {}  # (b, sampled) -> the best shape when last chosen
         self.last_expected: float | None = None  # the chosen shape's expected tokens (record_round's ``expected``)
 
-    def record_acceptance(self, proposed: int, accepted: int, width: int = 1):
+    def record_acceptance(self, proposed: int, accepted: int, width: int = 1, sampled: bool = False):
         # alpha is per checked draft (per checked depth of a tree): drafts after the first rejection were never checked
-        self.checked[width] += accepted + (accepted < proposed)
+        checked = accepted + (accepted < proposed)
+        self.checked[width] += checked
         self.accepted[width] += accepted
+        if width == 1:
+            kind = self.by_kind[bool(sampled)]
+            kind[0] += accepted
+            kind[1] += checked
 
     def record_round(self, b: int, k: int, tokens: int, seconds: float, width: int = 1,
-                     expected: float | None = None):
+                     expected: float | None = None, sampled: bool = False):
         """A whole decode round at batch b with k drafts: the tokens it emitted and the seconds it took, and the
         tokens its rows were expected to emit when it was chosen (``expected_tokens``; None: rows with the policy's
-        alpha)."""
+        alpha); ``sampled``: whether any of its rows sampled."""
         if expected is None:
             expected = self.expected_tokens(k, np.full(b, k), width)
-        entry = self.rounds.setdefault((b, k, width), [0.0, 0.0, 0, 0.0])
+        entry = self.rounds.setdefault((b, k, width, bool(sampled)), [0.0, 0.0, 0, 0.0])
         entry[2] = min(entry[2] + 1, _MEMORY)
         entry[0] += (tokens - entry[0]) / entry[2]
         entry[1] += (seconds - entry[1]) / entry[2]
         entry[3] += (expected - entry[3]) / entry[2]
 
-    def alpha_of(self, width: int = 1) -> float:
+    def alpha_of(self, width: int = 1, sampled: bool | None = None) -> float:
+        """Acceptance per checked draft of chains (width 1) or trees of ``width``; ``sampled``: of chains drafted
+        for greedy (False) or sampled (True) rows, with all rows' as the prior (None: all rows')."""
         chain = (self.accepted[1] + _PRIOR_ALPHA * _PRIOR_WEIGHT) / (self.checked[1] + _PRIOR_WEIGHT)
         if width == 1:
-            return chain
+            if sampled is None:
+                return chain
+            accepted, checked = self.by_kind[bool(sampled)]
+            return (accepted + chain * _PRIOR_WEIGHT) / (checked + _PRIOR_WEIGHT)
         # before a tree is measured: its siblings catch a share of the chain's misses
         prior = chain + (1 - chain) * _PRIOR_RESCUE
         return (self.accepted[width] + prior * _PRIOR_WEIGHT) / (self.checked[width] + _PRIOR_WEIGHT)
@@ -132,9 +147,11 @@ class LoadAwareK:
         return self.alpha_of(1)
 
     def row_alphas(self, seen) -> list[float]:
-        """Each row's alpha from its request's (accepted, checked) drafts, the policy's alpha as the prior."""
-        prior = self.alpha_of(1)
-        return [(a + prior * _PRIOR_WEIGHT) / (c + _PRIOR_WEIGHT) for a, c in seen]
+        """Each row's alpha from its request's (accepted, checked) drafts, or (accepted, checked, sampled), the
+        policy's alpha (for rows of its kind, where given) as the prior."""
+        priors = {kind: self.alpha_of(1, kind) for kind in (None, False, True)}
+        return [(row[0] + priors[row[2] if len(row) > 2 else None] * _PRIOR_WEIGHT) / (row[1] + _PRIOR_WEIGHT)
+                for row in seen]
 
     def expected_tokens(self, k: int, caps: np.ndarray, width: int = 1, alphas=None) -> float:
         """Tokens a round of k drafts per row (at most ``caps``) is expected to emit: E(alpha, k) summed over rows.
@@ -166,25 +183,27 @@ class LoadAwareK:
             draft = _PRIOR_DRAFT_RATIO * (decode if decode is not None else 1.0)
         return target + k * draft
 
-    def tokens_per_second(self, b: int, k: int, caps: np.ndarray, width: int = 1, alphas=None) -> float:
-        """Measured tokens per second of rounds at (b, k, width), scaled to these rows' acceptance, or the
-        estimate while they are too few."""
-        return self._rate(b, k, width, self.expected_tokens(k, caps, width, alphas))
+    def tokens_per_second(self, b: int, k: int, caps: np.ndarray, width: int = 1, alphas=None,
+                          sampled: bool = False) -> float:
+        """Measured tokens per second of rounds at (b, k, width) (with sampled rows or not), scaled to these rows'
+        acceptance, or the estimate while they are too few."""
+        return self._rate(b, k, width, self.expected_tokens(k, caps, width, alphas), sampled)
 
-    def _rate(self, b: int, k: int, width: int, expected: float) -> float:
-        seen = self.rounds.get((b, k, width))
+    def _rate(self, b: int, k: int, width: int, expected: float, sampled: bool = False) -> float:
+        seen = self.rounds.get((b, k, width, bool(sampled)))
         if seen is not None and seen[2] >= _TRUSTED and seen[1] > 0:
             scale = expected / seen[3] if seen[3] > 0 else 1.0
             return seen[0] * scale / seen[1]
         return expected / self._estimated_cost(b, k, width)
 
-    def choose(self, b: int, caps: np.ndarray, seen=None) -> int:
+    def choose(self, b: int, caps: np.ndarray, seen=None, sampled: bool = False) -> int:
         """The best k for this round (0: plain decoding); ``caps`` [rows] bounds each row's k."""
-        return self.choose_shape(b, caps, seen)[0]
+        return self.choose_shape(b, caps, seen, sampled)[0]
 
-    def choose_shape(self, b: int, caps: np.ndarray, seen=None) -> tuple[int, int]:
+    def choose_shape(self, b: int, caps: np.ndarray, seen=None, sampled: bool = False) -> tuple[int, int]:
         """The best (k, width) for this round ((0, 1): plain decoding); ``caps`` [rows] bounds each row's k;
-        ``seen``: each row's (accepted, checked) drafts so far (None: every row has the policy's alpha)."""
+        ``seen``: each row's (accepted, checked) or (accepted, checked, sampled) drafts so far (None: every row has
+        the policy's alpha); ``sampled``: whether any row samples (such rounds are measured apart)."""
         alphas = None if seen is None else self.row_alphas(seen)
         top = min(int(caps.max()) if caps.size else 0, self.k_max)
         candidates = [(0, 1)] + [(k, w) for k in self.allowed if k <= top for w in self.widths]
@@ -192,22 +211,23 @@ class LoadAwareK:
         if len(candidates) == 1:
             return 0, 1
         expected = {c: self.expected_tokens(c[0], caps, c[1], alphas) for c in candidates}
-        rates = {c: self._rate(b, *c, expected[c]) for c in candidates}
+        rates = {c: self._rate(b, *c, expected[c], sampled) for c in candidates}
         best = max(candidates, key=rates.get)
-        choice = self._probe(b, best, candidates, rates)
+        choice = self._probe((b, bool(sampled)), best, candidates, rates)
         self.last_expected = expected[choice]
         return choice
 
-    def _probe(self, b, best, candidates, rates):
-        if self.best.get(b) != best:  # something changed: look around soon
-            self.best[b] = best
-            self.probe_gap[b] = _PROBE_EVERY
-        waited = self.since_probe.get(b, 0) + 1
-        self.since_probe[b] = waited
-        gap = self.probe_gap.get(b, _PROBE_EVERY)
+    def _probe(self, key, best, candidates, rates):
+        """``key``: (batch size, sampled), the rounds among which the best shape is probed."""
+        if self.best.get(key) != best:  # something changed: look around soon
+            self.best[key] = best
+            self.probe_gap[key] = _PROBE_EVERY
+        waited = self.since_probe.get(key, 0) + 1
+        self.since_probe[key] = waited
+        gap = self.probe_gap.get(key, _PROBE_EVERY)
         if waited >= gap:
-            self.since_probe[b] = 0
-            self.probe_gap[b] = min(2 * gap, _PROBE_MAX)
+            self.since_probe[key] = 0
+            self.probe_gap[key] = min(2 * gap, _PROBE_MAX)
             # a neighbour of the best: one k up or down at its width, or the other widths at its k; the one
             # measured least often (the fewest rounds on record)
             k, w = best
@@ -216,5 +236,5 @@ class LoadAwareK:
             near = [(ks[j], w) for j in (i - 1, i + 1) if 0 <= j < len(ks)]
             near += [(k, other) for other in self.widths if other != w and (k, other) in rates]
             if near:
-                return min(near, key=lambda c: self.rounds.get((b, *c), [0, 0, 0])[2])
+                return min(near, key=lambda c: self.rounds.get((key[0], *c, key[1]), [0, 0, 0])[2])
         return best

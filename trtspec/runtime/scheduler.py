@@ -179,6 +179,7 @@ class Scheduler:
                        if k_policy == "load-aware" else None)
         self._width = self.tree_width  # the tree width of the current round
         self._expected = None  # the tokens the load-aware policy expects of the current round
+        self._sampled = False  # whether a row of the current round samples
         self.prefill_chunk = min(prefill_chunk, self.max_call)
         self.sampling = sampling
         self.aging_s = float(aging_s)
@@ -616,9 +617,10 @@ class Scheduler:
         n, tc, stats, policy = self._n[:b], self._tc[:b], self._stats, self.policy
         width = self.tree_width
         self._expected = None  # the tokens the policy expects of this round (rows' own acceptance)
+        self._sampled = any(r.sampler.mode != "greedy" for r in rows)  # such rounds are measured apart
         if policy is not None and caps.any():
-            k, width = policy.choose_shape(b, caps, [(r.stats.accepted, r.stats.accepted + r.stats.rejected)
-                                                     for r in rows])
+            k, width = policy.choose_shape(b, caps, [(r.stats.accepted, r.stats.accepted + r.stats.rejected,
+                                                      r.sampler.mode != "greedy") for r in rows], self._sampled)
             self._expected = policy.last_expected
             caps = np.minimum(caps, k)
         else:
@@ -715,7 +717,7 @@ class Scheduler:
             accepted, proposed = accepted - forced_accepted, proposed - forced
         r.stats.record_accept(accepted, proposed)
         if proposed and self.policy is not None:
-            self.policy.record_acceptance(proposed, accepted, width)
+            self.policy.record_acceptance(proposed, accepted, width, r.sampler.mode != "greedy")
         self._stats.proposed += proposed
         self._stats.accepted += accepted
 
@@ -876,7 +878,7 @@ class Scheduler:
             # a long catch-up pays for earlier rounds that did not draft: charge this round a usual one
             seconds += self.policy.draft.estimate(b, 2) - proposal.calls[0][2]
         self.policy.record_round(b, k, emitted, seconds, self._width if proposal.parents is not None else 1,
-                                 self._expected)
+                                 self._expected, self._sampled)
 
     def _decode_alone(self, r):
         """A lone greedy row with no drafts: one-token target calls in the engine's own loop
