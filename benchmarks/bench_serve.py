@@ -9,6 +9,7 @@ ratios between servers come from the same minutes of a shared machine.
     python benchmarks/bench_serve.py --baseline /path/to/other/checkout --no-hf   # this code vs another checkout
     python benchmarks/bench_serve.py --no-hf --llama-server BIN --llama-model TARGET.gguf --llama-draft DRAFT.gguf
     python benchmarks/bench_serve.py --no-hf --only draft --draft-k 4 8   # draft servers drafting up to 4 and 8
+    python benchmarks/bench_serve.py --no-hf --int4-draft   # also a server drafting with the draft's INT4 build
 
 ``--llama-server``: llama.cpp's server (built by the user; trtspec ships none of it) on the same model converted to
 GGUF float32, 8 slots, 2 threads, with and without its draft model, in the same rotation.
@@ -45,10 +46,11 @@ def free_port() -> int:
 
 
 def servers(baseline: Path | None = None, hf: bool = True, llama: tuple | None = None,
-            only: list[str] | None = None, draft_k=(4,)) -> dict[str, tuple[list[str], dict | None]]:
+            only: list[str] | None = None, draft_k=(4,), int4_draft: bool = False
+            ) -> dict[str, tuple[list[str], dict | None]]:
     """name -> (command, environment or None); ``baseline``: also trtspec's servers from that checkout;
     ``llama``: (llama-server binary, target GGUF, draft GGUF or None); ``draft_k``: one draft server per most
-    drafts a round (-k; load-aware k below it)."""
+    drafts a round (-k; load-aware k below it); ``int4_draft``: also a server drafting with the draft's INT4 build."""
     engines()  # builds the max-batch-8 engines if missing
     target = ROOT / "engines" / "stdlib-target-b8-s512"
     draft = ROOT / "engines" / "stdlib-draft-b8-s512"
@@ -59,6 +61,8 @@ def servers(baseline: Path | None = None, hf: bool = True, llama: tuple | None =
     for k in draft_k:  # (-k 4: the name earlier results have)
         name = "trtspec serve (draft, load-aware k)" if k == 4 else f"trtspec serve (draft, load-aware k <= {k})"
         out[name] = (trtspec + ["--draft", str(draft), "-k", str(k)], None)
+    if int4_draft:
+        out["trtspec serve (INT4 draft, load-aware k)"] = (trtspec + ["--draft", str(int4_engine(draft)), "-k", "4"], None)
     if baseline is not None:
         env = {**os.environ, "PYTHONPATH": str(baseline)}
         out.update({f"{name}, baseline": (cmd, env) for name, (cmd, _) in list(out.items())})
@@ -78,6 +82,20 @@ def servers(baseline: Path | None = None, hf: bool = True, llama: tuple | None =
     if only:
         out = {name: v for name, v in out.items() if any(o in name for o in only)}
     return out
+
+
+def int4_engine(draft: Path) -> Path:
+    """The INT4 build of a draft engine's export (int4-awq, block 32, lm_head in INT4), made if missing."""
+    from trtspec import build, quantize
+
+    name = draft.name.replace("stdlib-draft", "stdlib-draft-int4")
+    engine, exported = ROOT / "engines" / name, ROOT / "export" / draft.name
+    if not (engine / "manifest.json").is_file():
+        quantized = ROOT / "export" / name
+        if not (quantized / "manifest.json").is_file():
+            quantize(exported, quantized, mode="int4-awq", block_size=32, quantize_lm_head=True)
+        build(quantized, engine)
+    return engine
 
 
 def start(cmd, port, env=None):
@@ -155,6 +173,7 @@ def main(argv=None):
     ap.add_argument("--only", nargs="+", help="only the servers whose names contain one of these")
     ap.add_argument("--draft-k", type=int, nargs="+", default=[4],
                     help="one draft server per value: the most drafts a round (-k; default 4)")
+    ap.add_argument("--int4-draft", action="store_true", help="also serve with the draft's INT4 build (-k 4)")
     args = ap.parse_args(argv)
     if args.llama_server is not None and args.llama_model is None:
         ap.error("--llama-server needs --llama-model (the target in GGUF)")
@@ -166,7 +185,7 @@ def main(argv=None):
     try:
         llama = (args.llama_server, args.llama_model, args.llama_draft) if args.llama_server else None
         for name, (cmd, env) in servers(args.baseline, hf=not args.no_hf, llama=llama, only=args.only,
-                                            draft_k=args.draft_k).items():
+                                            draft_k=args.draft_k, int4_draft=args.int4_draft).items():
             port = free_port()
             procs.append(start(cmd, port, env))
             urls[name] = f"http://127.0.0.1:{port}/v1"
