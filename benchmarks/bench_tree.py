@@ -62,29 +62,14 @@ def artifacts(work):
 
 
 def call_costs(engine, position=300, repeats=40):
-    from trtspec.engines.base import tree_positions
+    from trtspec.bench import measure_call_costs
 
     engine.reset()
     engine.forward(np.arange(position)[None] % 200 + 5, np.arange(position)[None])
-
-    def cost(t, tree):
-        ids = np.full((1, t), 7)
-        if tree:  # a bushy tree: every node has up to 3 children
-            mask, depth = tree_positions(np.array([[-1] + [(i - 1) // 3 for i in range(1, t)]]))
-            call = lambda: engine.forward(ids, position + depth, tree_mask=mask)  # noqa: E731
-        else:
-            call = lambda: engine.forward(ids, position + np.arange(t)[None])  # noqa: E731
-        for _ in range(5):
-            call()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            call()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times) * 1e3
-
-    return {"decode_ms": cost(1, False), "verify5_ms": cost(5, False), "tree17_ms": cost(17, True),
-            "tree9_ms": cost(9, True)}
+    chain = measure_call_costs(engine, [1, 5], position=position, repeats=repeats, warmup=5)
+    tree = measure_call_costs(engine, [17, 9], position=position, repeats=repeats, warmup=5, tree=True)
+    return {"decode_ms": chain[1] * 1e3, "verify5_ms": chain[5] * 1e3, "tree17_ms": tree[17] * 1e3,
+            "tree9_ms": tree[9] * 1e3}
 
 
 def configs(paths, target_name):

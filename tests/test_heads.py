@@ -117,6 +117,41 @@ def test_greedy_eagle3_speculation_equals_target_greedy(eagle, batch, tree_width
 
 
 @pytest.mark.parametrize("tree_width", [1, 3])
+def test_greedy_eagle3_speculation_over_a_torch_target_equals_its_greedy(eagle, model_dir, tree_width):
+    import trtspec
+    from conftest import MAX_BATCH, S_MAX
+
+    # the torch backend with the same features (the head reads low/mid/high) and tree input as the built target
+    target = trtspec.compile(model_dir(ARCH), max_seq_len=S_MAX, max_batch=MAX_BATCH, backend="eager", tree=True,
+                             hidden_states="low,mid,high,last")
+    prompts = ["def add(a, b):", "The quick brown fox jumps over the lazy dog. The quick", "import os"]
+    reference = [r.token_ids for r in Generator(target).generate(prompts, max_new_tokens=16)]
+
+    def run(target):  # -> (outputs, the target features the head was fed)
+        head, fed = load_engine(eagle[1]), []
+        forward = head.forward
+
+        def recorded(ids, pos, first_row=0, **kw):
+            features = (kw.get("inputs") or {}).get("features")
+            if features is not None:
+                fed.append(features.copy())
+            return forward(ids, pos, first_row=first_row, **kw)
+
+        head.forward = recorded
+        gen = Generator(target, head, drafter="eagle3", num_draft_tokens=3, k_policy="fixed", tree_width=tree_width)
+        return gen.generate(prompts, max_new_tokens=16), fed
+
+    out, fed = run(target)
+    assert [r.token_ids for r in out] == reference
+    assert all(r.stats.proposed >= 3 * (r.stats.rounds - 3) for r in out)
+    # the head read the same features from the torch target as from the onnxruntime one
+    ort_out, ort_fed = run(load_engine(eagle[0]))
+    assert [r.token_ids for r in ort_out] == reference and len(fed) == len(ort_fed) > 0
+    for got, ref in zip(fed, ort_fed):
+        np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("tree_width", [1, 3])
 def test_eagle3_under_a_grammar_ends_its_chain_where_its_vocabulary_allows_nothing(eagle, tree_width):
     # the grammar allows only letters whose tokens are off the head's reduced vocabulary: the head can propose
     # nothing there, so its chain ends (it used to propose a token the grammar refuses, failing the request)
@@ -260,10 +295,13 @@ def test_the_cli_exports_a_tree_target_and_a_head_and_generates_the_targets_text
     assert main(["export-head", str(head), "--target", str(target), "-o", str(tmp_path / "head")]) == 0
     capsys.readouterr()
 
-    def tokens(*extra):
+    def tokens(*extra, target=target):
         assert main(["generate", "--target", str(target), "--prompt", "def add(a, b):", "--max-new-tokens", "20",
                      "--json", *extra]) == 0
         return json.loads(capsys.readouterr().out)["results"][0]["token_ids"]
 
     reference = tokens()
-    assert tokens("--draft", str(tmp_path / "head"), "--drafter", "eagle3", "--tree-width", "2", "-k", "3") == reference
+    head_args = ("--draft", str(tmp_path / "head"), "--drafter", "eagle3", "--tree-width", "2", "-k", "3")
+    assert tokens(*head_args) == reference
+    # --backend torch from the HF directory: the target compiled with the features the head reads and a tree input
+    assert tokens(*head_args, "--backend", "torch", target=src) == reference

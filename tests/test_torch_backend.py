@@ -143,10 +143,11 @@ def test_cli_generate_backend_torch_compiles_target_and_draft(model_dir, perturb
     target, draft = str(model_dir("llama")), str(perturbed_export("llama", 0.3))
     compiled = {target: torch_engine("llama", "eager"), draft: torch_draft}  # compiling them is tested above
     asked = []
-    monkeypatch.setattr(torch_backend, "compile", lambda path: asked.append(path) or compiled[path])
+    monkeypatch.setattr(torch_backend, "compile", lambda path, **options: asked.append((path, options)) or compiled[path])
     code = cli_main(["generate", "--backend", "torch", "--target", target, "--draft", draft,
                      "--max-new-tokens", str(NEW_TOKENS), "--json", *[arg for p in PROMPTS for arg in ("--prompt", p)]])
-    assert code == 0 and asked == [target, draft]
+    # chains from a draft model: no tree input or features asked for (an export's own would be kept)
+    assert code == 0 and asked == [(target, {"tree": None, "hidden_states": None}), (draft, {})]
     results = json.loads(capsys.readouterr().out)["results"]
     assert [r["token_ids"] for r in results] == reference
 

@@ -9,7 +9,8 @@ import json
 import numpy as np
 import pytest
 
-from conftest import hf_logits, random_ids
+import trtspec
+from conftest import MAX_BATCH, S_MAX, hf_logits, random_ids
 from trtspec import load_engine
 from trtspec.engines.base import tree_positions
 
@@ -19,12 +20,31 @@ TREE = dict(tree=True, hidden_states=FEATURES, ring_cache=False)
 
 
 @pytest.fixture(scope="module")
-def tree_engine(exported, built):
+def tree_engine(exported, built, model_dir):
+    compiled = {}
+
     def get(arch: str, form: str = "fused"):
+        # form: "export" (the portable graph), "plain" / "fused" (onnxruntime builds), "torch" / "torch-inductor"
+        # (the torch backend, eager or compiled, with the same tree input and features output)
+        if form.startswith("torch"):
+            if (arch, form) not in compiled:
+                compiled[arch, form] = trtspec.compile(model_dir(arch), max_seq_len=S_MAX, max_batch=MAX_BATCH,
+                                                       backend=form.partition("-")[2] or "eager", tree=True,
+                                                       hidden_states=FEATURES)
+            engine = compiled[arch, form]
+            engine.reset()
+            return engine
         path = exported(arch, **TREE) if form == "export" else built(arch, fusion=form == "fused", **TREE)
         return load_engine(path)
 
     return get
+
+
+def _caches(engine) -> list[np.ndarray]:
+    """An engine's KV cache buffers as arrays (onnxruntime: numpy buffers; torch: tensors)."""
+    if hasattr(engine, "caches"):
+        return [c.cpu().numpy() for c in engine.caches]
+    return list(engine.cache.values())
 
 
 def _hf_hidden(model, ids):
@@ -35,9 +55,10 @@ def _hf_hidden(model, ids):
     return [h[0].float().numpy() for h in out.hidden_states], out.logits[0].float().numpy()
 
 
-@pytest.mark.parametrize("arch", ["llama-gqa-rope3", "qwen3", "gemma2", "phi3", "gpt2"])
-def test_hidden_states_equal_hf_per_layer(arch, tree_engine, model_dir, hf_model):
-    engine = tree_engine(arch, "fused" if arch == "llama-gqa-rope3" else "export")
+@pytest.mark.parametrize("arch,form", [("llama-gqa-rope3", "fused"), ("qwen3", "export"), ("gemma2", "export"),
+                                       ("phi3", "export"), ("gpt2", "export"), ("llama-gqa-rope3", "torch-inductor")])
+def test_hidden_states_equal_hf_per_layer(arch, form, tree_engine, model_dir, hf_model):
+    engine = tree_engine(arch, form)
     model = engine.manifest["model"]
     layers = model["hidden_states"]["layers"]
     n = model["num_layers"]
@@ -77,7 +98,8 @@ TREES = [
 
 
 @pytest.mark.parametrize("arch,form", [("llama-gqa-rope3", "fused"), ("llama-gqa-rope3", "export"),
-                                       ("qwen3", "plain"), ("gemma2", "export"), ("gpt2", "fused")])
+                                       ("qwen3", "plain"), ("gemma2", "export"), ("gpt2", "fused"),
+                                       ("llama-gqa-rope3", "torch-inductor"), ("gemma2", "torch")])
 def test_tree_call_logits_equal_hf_for_every_path_then_decoding_goes_on(arch, form, tree_engine, model_dir, hf_model):
     engine = tree_engine(arch, form)
     if form == "fused":  # decode calls keep the decode graph; tree calls run the built graph
@@ -118,8 +140,9 @@ def test_tree_call_logits_equal_hf_for_every_path_then_decoding_goes_on(arch, fo
             np.testing.assert_allclose(out[r, 0], hf_logits(hf, seqs[r])[-1], atol=TOL, rtol=0)
 
 
-def test_a_tree_with_nothing_accepted_leaves_the_cache_as_a_one_token_decode_would(tree_engine):
-    tree, plain = tree_engine("llama-gqa-rope3", "export"), tree_engine("llama-gqa-rope3", "fused")
+@pytest.mark.parametrize("form", ["export", "torch"])
+def test_a_tree_with_nothing_accepted_leaves_the_cache_as_a_one_token_decode_would(form, tree_engine):
+    tree, plain = tree_engine("llama-gqa-rope3", form), tree_engine("llama-gqa-rope3", "fused")
     prompt = random_ids(12, seed=5)
     for e in (tree, plain):
         e.reset()
@@ -129,8 +152,8 @@ def test_a_tree_with_nothing_accepted_leaves_the_cache_as_a_one_token_decode_wou
     tree.forward(np.array([tokens]), 12 + depth, tree_mask=mask)
     tree.keep_path(0, 12, [0])
     plain.forward(np.array([[tokens[0]]]), np.array([[12]]))
-    for past in tree.cache:
-        np.testing.assert_allclose(tree.cache[past][0, :, :13], plain.cache[past][0, :, :13], atol=1e-5, rtol=0)
+    for got, ref in zip(_caches(tree), _caches(plain), strict=True):
+        np.testing.assert_allclose(got[0, :, :13], ref[0, :, :13], atol=1e-5, rtol=0)
     a = tree.forward(np.array([[5]]), np.array([[13]]))[0, 0].copy()
     b = plain.forward(np.array([[5]]), np.array([[13]]))[0, 0]
     np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
@@ -187,6 +210,22 @@ def test_greedy_tree_speculation_is_exact_on_every_family(arch, exported, pertur
     draft = load_engine(perturbed_export(arch, 0.3))
     out = Generator(target, draft, num_draft_tokens=3, k_policy="fixed", tree_width=3).generate(PROMPTS, max_new_tokens=24)
     assert [r.token_ids for r in out] == reference
+
+
+@pytest.mark.parametrize("form", ["torch", "torch-inductor"])
+def test_tree_speculation_over_a_torch_target_is_its_own_greedy_output_and_sample(form, tree_engine, perturbed_export):
+    target = tree_engine("llama-gqa-rope3", form)
+    kept = []
+    wrapped = WrappedEngine(target, lambda *a: None)
+    wrapped.keep_path = lambda row, start, path: (kept.append(list(path)), target.keep_path(row, start, path))
+    draft = load_engine(perturbed_export("llama-gqa-rope3", 0.3))
+    for params in (dict(max_new_tokens=30), dict(max_new_tokens=30, temperature=0.9, top_p=0.95, seed=11)):
+        reference = [r.token_ids for r in Generator(target).generate(PROMPTS, **params)]
+        gen = Generator(wrapped, draft, num_draft_tokens=3, k_policy="fixed", tree_width=3)
+        out = gen.generate(PROMPTS, **params)
+        assert [r.token_ids for r in out] == reference
+        assert sum(gen.scheduler.stats().tree_shapes.values()) > 0
+    assert kept, "no sibling was ever accepted: the torch engine's keep_path went untested"
 
 
 def test_coupled_tree_sampling_is_the_target_only_sample(tree_engine, perturbed_export):

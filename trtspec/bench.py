@@ -58,19 +58,26 @@ def source_model_dir(engine_dir) -> Path:
 
 
 def measure_call_costs(engine, sizes, *, position: int = 128, repeats: int = 30, batch: int = 1,
-                       warmup: int = 1) -> dict[int, float]:
-    """Median seconds of one forward over T tokens per row, for each T in sizes (the same slots each time)."""
+                       warmup: int = 1, tree: bool = False) -> dict[int, float]:
+    """Median seconds of one forward over T tokens per row, for each T in sizes (the same slots each time).
+    ``tree``: each call verifies a bushy token tree of T nodes (every node has up to 3 children; a --tree target)."""
+    from .engines.base import tree_positions
+
     costs = {}
     position = min(position, engine.max_seq_len - max(sizes) - 1)
     for t in sizes:
         ids = np.ones((batch, t), np.int64)
-        pos = np.tile(np.arange(position, position + t), (batch, 1))
+        if tree:
+            mask, depth = tree_positions(np.tile([-1] + [(i - 1) // 3 for i in range(1, t)], (batch, 1)))
+            kw, pos = {"tree_mask": mask}, position + depth
+        else:
+            kw, pos = {}, np.tile(np.arange(position, position + t), (batch, 1))
         for _ in range(warmup):  # warmup > 1 where a first call captures a CUDA graph
-            engine.forward(ids, pos)
+            engine.forward(ids, pos, **kw)
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            engine.forward(ids, pos)
+            engine.forward(ids, pos, **kw)
             times.append(time.perf_counter() - t0)
         costs[t] = statistics.median(times)
     return costs

@@ -169,6 +169,20 @@ def _add_engine_arguments(p) -> None:
     p.add_argument("--threads", type=_positive_int, help="onnxruntime intra-op threads (default: all cores)")
 
 
+def _torch_engines(args):
+    """--backend torch: the target (and a draft model) compiled with torch.compile. A draft head stays the engine it
+    was exported as; the target then gets the features it reads, and a tree input where trees are asked for (an
+    export directory keeps its own otherwise)."""
+    from .manifest import read_manifest
+    from .torch_backend import compile
+
+    heads = {"eagle3": lambda: read_manifest(args.draft)["model"]["target_layers"], "medusa": lambda: "last"}
+    features = heads[args.drafter]() if args.drafter in heads and args.draft else None
+    tree = True if args.tree_width > 1 or args.tree_nodes or args.drafter == "medusa" else None
+    target = compile(args.target, tree=tree, hidden_states=features)
+    return target, (args.draft if features is not None or not args.draft else compile(args.draft))
+
+
 def _add_generate(sub):
     p = sub.add_parser("generate", help="generate text, optionally with speculative decoding")
     _add_engine_arguments(p)
@@ -189,9 +203,7 @@ def _add_generate(sub):
 
         target, draft = args.target, args.draft
         if args.backend == "torch":
-            from .torch_backend import compile
-
-            target, draft = compile(target), draft and compile(draft)
+            target, draft = _torch_engines(args)
         gen = Generator(
             target,
             draft,

@@ -170,6 +170,30 @@ def check_tree(tree_mask, position_ids) -> np.ndarray:
     return tree_mask
 
 
+def check_call(engine, input_ids, position_ids, first_row: int, tree_mask):
+    """An engine's call checked before anything touches its cache -> (input_ids, position_ids, tree_mask or None):
+    check_step_inputs, and a tree call (check_tree) only on an engine exported with tree verification."""
+    tree = tree_mask is not None
+    if tree and not getattr(engine, "tree_verify", False):
+        raise ValueError(f"{engine.path} was exported without tree verification; re-export the target with "
+                         "--tree (trtspec export), or compile it with tree=True (torch backend), to verify token trees")
+    input_ids, position_ids = check_step_inputs(
+        input_ids, position_ids, max_batch=engine.max_batch, max_seq_len=engine.max_seq_len,
+        vocab_size=engine.vocab_size, first_row=first_row, max_call=getattr(engine, "max_call_tokens", None), tree=tree,
+    )
+    return input_ids, position_ids, (check_tree(tree_mask, position_ids) if tree else None)
+
+
+def path_moves(start: int, nodes) -> tuple[np.ndarray, np.ndarray] | None:
+    """keep_path's slot moves: (source slots, destination slots) that bring an accepted tree path's nodes (call
+    indices, root first) to the consecutive slots from ``start``; None when the path already lies there."""
+    nodes = np.asarray(nodes, np.int64)
+    moved = np.flatnonzero(nodes != np.arange(nodes.size))
+    if not moved.size:
+        return None
+    return start + nodes[moved], start + moved
+
+
 def check_step_inputs(input_ids, position_ids, *, max_batch: int, max_seq_len: int, vocab_size: int,
                       first_row: int = 0, max_call: int | None = None, tree: bool = False):
     """Validate one step call before anything touches the cache; returns C-contiguous int64 arrays.

@@ -17,7 +17,7 @@ import numpy as np
 
 from ..exporter.contract import max_call_tokens, slots_by_input
 from ..exporter.contract import HIDDEN_STATES, TREE_MASK
-from .base import CallGuard, SavedPrefix, check_step_inputs, check_tree, ring_rows
+from .base import CallGuard, SavedPrefix, check_call, check_step_inputs, path_moves, ring_rows
 
 _NP_DTYPES = {"float32": np.float32, "float16": np.float16}
 
@@ -188,16 +188,8 @@ class OnnxRuntimeEngine:
         # tree_mask [B, T, T] bool: a tree call (engines exported with tree verification; contract.py).
         # inputs: {name: [B, T, n] float} for a draft head's extra inputs (zeros where one is not given).
         # The returned array is a reused buffer: valid until the next call of the same shape.
+        input_ids, position_ids, tree_mask = check_call(self, input_ids, position_ids, first_row, tree_mask)
         tree = tree_mask is not None
-        if tree and not self.tree_verify:
-            raise ValueError(f"{self.path} was exported without tree verification; re-export the target with "
-                             "--tree (trtspec export) to verify token trees")
-        input_ids, position_ids = check_step_inputs(
-            input_ids, position_ids, max_batch=self.max_batch, max_seq_len=self.max_seq_len, vocab_size=self.vocab_size,
-            first_row=first_row, max_call=self.max_call_tokens, tree=tree,
-        )
-        if tree:
-            tree_mask = check_tree(tree_mask, position_ids)
         b, t = input_ids.shape
         with self._guard:
             g = self._graph_for(b, t, tree)
@@ -297,11 +289,10 @@ class OnnxRuntimeEngine:
                 self._rings.moved(src, dst)
 
     def keep_path(self, row: int, start: int, nodes):
-        nodes = np.asarray(nodes, np.int64)
-        moved = np.flatnonzero(nodes != np.arange(nodes.size))
-        if not moved.size:
+        moves = path_moves(start, nodes)
+        if moves is None:
             return
-        src, dst = start + nodes[moved], start + moved
+        src, dst = moves
         with self._guard:
             for buf in self.cache.values():
                 buf[row, :, dst] = buf[row, :, src]  # (fancy indexing reads every source before it writes)

@@ -21,7 +21,7 @@ from pathlib import Path
 from ..errors import ArtifactError, BackendUnavailableError
 import numpy as np
 
-from .base import CallGuard, SavedPrefix, check_step_inputs, check_tree
+from .base import CallGuard, SavedPrefix, check_call, path_moves
 from .profiles import is_static, select_profile
 from .tensorrt_compat import check_plan_compatible, compute_capability, import_tensorrt
 
@@ -144,17 +144,9 @@ class TensorRTEngine:
         # input_ids [B, T] int64, position_ids [B, T] int64 -> logits [B, T, V] on the host
         # tree_mask [B, T, T] bool: a tree call (a --tree export). The returned array is a view of a reused pinned
         # buffer: valid until the next call.
-        tree = tree_mask is not None
-        if tree and not self.tree_verify:
-            raise ValueError(f"{self.path} was exported without tree verification; re-export the target with --tree")
-        input_ids, position_ids = check_step_inputs(
-            input_ids, position_ids, max_batch=self.max_batch, max_seq_len=self.max_seq_len, vocab_size=self.vocab_size,
-            first_row=first_row, tree=tree,
-        )
+        input_ids, position_ids, tree_mask = check_call(self, input_ids, position_ids, first_row, tree_mask)
         b, t = input_ids.shape
-        if tree:
-            tree_mask = check_tree(tree_mask, position_ids)
-        elif self.tree_verify:
+        if tree_mask is None and self.tree_verify:
             tree_mask = np.broadcast_to(np.tril(np.ones((t, t), bool)), (b, t, t))
         index = select_profile(self.plan, b, t)
         torch = self._torch
@@ -174,13 +166,11 @@ class TensorRTEngine:
         return self._host_logits[:m].numpy().reshape(b, t, self.vocab_size)
 
     def keep_path(self, row: int, start: int, nodes):
-        nodes = np.asarray(nodes, np.int64)
-        moved = np.flatnonzero(nodes != np.arange(nodes.size))
-        if not moved.size:
+        moves = path_moves(start, nodes)
+        if moves is None:
             return
         torch = self._torch
-        src = torch.from_numpy(start + nodes[moved]).cuda()
-        dst = torch.from_numpy(start + moved).cuda()
+        src, dst = (torch.from_numpy(m).cuda() for m in moves)
         with self._guard, torch.cuda.stream(self._stream):
             for buf in self.cache.values():
                 buf[row, :, dst] = buf[row, :, src]  # (the gather reads every source before the write)

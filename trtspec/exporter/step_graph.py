@@ -80,6 +80,17 @@ def cache_layout(spec, max_seq_len: int, max_call_tokens: int | None, ring_cache
     return slots, (max_call_tokens if min(slots) < max_seq_len else max_seq_len)
 
 
+def describe_tree_and_features(model: dict, spec, tree: bool, hidden_states) -> list[int]:
+    """Record a tree_mask input (``tree_verify``) and a hidden_states output (its HF layer indices and width) in a
+    manifest's model section; returns those layer indices ([] without features)."""
+    layers = parse_hidden_states(hidden_states, spec.num_layers)
+    if tree:
+        model["tree_verify"] = True
+    if layers:
+        model["hidden_states"] = {"layers": layers, "size": len(layers) * spec.hidden_size}
+    return layers
+
+
 def model_description(spec, config, generation_config, tokenizer, hf, max_seq_len, max_batch, dtype, *,
                       max_call_tokens: int | None = None, ring_cache: bool = True) -> dict:
     """The manifest's "model" section every backend shares: what the runtime needs to know of the step."""
@@ -210,13 +221,9 @@ def export(
     t0 = time.perf_counter()
     config, spec, tokenizer, generation_config, hf = load_for_step(model_dir, max_seq_len, max_batch, dtype)
 
-    layers = parse_hidden_states(hidden_states, spec.num_layers)
     model = model_description(spec, config, generation_config, tokenizer, hf, max_seq_len, max_batch, dtype,
                               max_call_tokens=max_call_tokens, ring_cache=ring_cache)
-    if tree:
-        model["tree_verify"] = True
-    if layers:
-        model["hidden_states"] = {"layers": layers, "size": len(layers) * spec.hidden_size}
+    layers = describe_tree_and_features(model, spec, tree, hidden_states)
     step = StepModel(hf, spec, max_seq_len, cache_slots=model["cache_slots"], tree=tree, hidden_layers=layers).eval()
     names = io_names(spec.num_layers, tree=tree, hidden_states=bool(layers))
     tdtype = getattr(torch, dtype)

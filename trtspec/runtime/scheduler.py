@@ -217,7 +217,8 @@ class Scheduler:
                 raise ValueError(f"tree_width/tree_nodes apply to the draft-model and head drafters, not {drafter!r}")
             if not getattr(self.target, "tree_verify", False):
                 raise ValueError(f"the target {self.target.path} cannot verify token trees: re-export it with "
-                                 "--tree (trtspec export), or use tree_width=1 (chains)")
+                                 "--tree (trtspec export) or compile it with tree=True (torch backend), or use "
+                                 "tree_width=1 (chains)")
         return width, nodes
 
     def _check_k(self, k, allow_any=False):

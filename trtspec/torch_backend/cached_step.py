@@ -23,10 +23,24 @@ class CachedStep(nn.Module):
     def caches(self) -> list[torch.Tensor]:
         return [getattr(self, f"cache_{i}") for i in range(self.num_caches)]
 
-    def forward(self, input_ids, position_ids):
-        # input_ids [B, T] int64, position_ids [B, T] int64 -> logits [B, T, V]; writes cache rows [0, B)
+    def forward(self, input_ids, position_ids, tree_mask=None):
+        # input_ids [B, T] int64, position_ids [B, T] int64[, tree_mask [B, T, T] bool: a tree call]
+        # -> (logits [B, T, V], hidden_states [B, T, F] or None); writes cache rows [0, B)
         b = input_ids.shape[0]
-        return self.step(input_ids, position_ids, *[c[:b] for c in self.caches()])[0]
+        return split_outputs(self.step, self.step(input_ids, position_ids, *tree_args(self.step, tree_mask),
+                                                  *[c[:b] for c in self.caches()]))[:2]
+
+
+def tree_args(step, tree_mask) -> tuple:
+    """The step's tree_mask argument: one where the step verifies trees, none otherwise."""
+    return (tree_mask,) if step.tree else ()
+
+
+def split_outputs(step, out) -> tuple:
+    """A step's outputs -> (logits, hidden_states or None, presents)."""
+    if step.hidden_layers:
+        return out[0], out[1], out[2:]
+    return out[0], None, out[1:]
 
 
 def own_forward(module: CachedStep):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ArtifactError
-from ..exporter.step_graph import load_for_step, model_description
+from ..exporter.step_graph import describe_tree_and_features, load_for_step, model_description
 from ..manifest import EXPORT_FORMAT, MANIFEST, read_manifest, sha256_file
 
 DEFAULT_MAX_SEQ_LEN = 512
@@ -27,25 +27,28 @@ class Source:
     manifest: dict
 
 
-def load_source(path: Path, *, max_seq_len: int | None, max_batch: int | None, dtype: str | None) -> Source:
-    """Load the HF model behind an HF model dir or an export/ dir, and describe it like an export manifest."""
+def load_source(path: Path, *, max_seq_len: int | None, max_batch: int | None, dtype: str | None,
+                tree: bool | None = None, hidden_states=None) -> Source:
+    """Load the HF model behind an HF model dir or an export/ dir, and describe it like an export manifest.
+
+    ``tree`` / ``hidden_states`` as for export(); None: the export's own (an HF dir: no tree, no features)."""
     path = Path(path)
     if (path / MANIFEST).is_file():
-        return _from_export(path, max_seq_len, max_batch, dtype)
+        return _from_export(path, max_seq_len, max_batch, dtype, tree, hidden_states)
     if not (path / "config.json").is_file():
         raise ArtifactError(
             f"{path} is neither a Hugging Face model directory (no config.json) nor a trtspec export "
             f"(no {MANIFEST}); pass one of them"
         )
     return _load(path, path, ".", _or(max_seq_len, DEFAULT_MAX_SEQ_LEN), _or(max_batch, DEFAULT_MAX_BATCH),
-                 _or(dtype, DEFAULT_DTYPE))
+                 _or(dtype, DEFAULT_DTYPE), ring_cache=not tree, tree=bool(tree), hidden_states=hidden_states)
 
 
 def _or(value, default):
     return default if value is None else value
 
 
-def _from_export(path: Path, max_seq_len, max_batch, dtype) -> Source:
+def _from_export(path: Path, max_seq_len, max_batch, dtype, tree, hidden_states) -> Source:
     exported = read_manifest(path)
     if exported["format"] != EXPORT_FORMAT:
         raise ArtifactError(
@@ -65,9 +68,13 @@ def _from_export(path: Path, max_seq_len, max_batch, dtype) -> Source:
     m = exported["model"]
     seq = _or(max_seq_len, m["max_seq_len"])
     # the export's cache layout: rings where it has them, for the same call size
-    ring = min(m.get("cache_slots") or [m["max_seq_len"]]) < m["max_seq_len"]
+    tree = bool(m.get("tree_verify")) if tree is None else tree
+    if hidden_states is None:
+        hidden_states = (m.get("hidden_states") or {}).get("layers")
+    ring = min(m.get("cache_slots") or [m["max_seq_len"]]) < m["max_seq_len"] and not tree
     source = _load(model_dir, path, exported["tokenizer"], seq, _or(max_batch, m["max_batch"]), _or(dtype, m["dtype"]),
-                   max_call_tokens=min(m["max_call_tokens"], seq) if ring else None, ring_cache=ring)
+                   max_call_tokens=min(m["max_call_tokens"], seq) if ring else None, ring_cache=ring, tree=tree,
+                   hidden_states=hidden_states)
     if source.manifest["model"]["tokenizer_fingerprint"] != m["tokenizer_fingerprint"]:
         raise ArtifactError(
             f"the tokenizer in {model_dir} differs from the one exported into {path}; re-export the model"
@@ -76,13 +83,16 @@ def _from_export(path: Path, max_seq_len, max_batch, dtype) -> Source:
 
 
 def _load(model_dir: Path, path: Path, tokenizer_rel: str, max_seq_len: int, max_batch: int, dtype: str, *,
-          max_call_tokens: int | None = None, ring_cache: bool = True) -> Source:
+          max_call_tokens: int | None = None, ring_cache: bool = True, tree: bool = False,
+          hidden_states=None) -> Source:
     config, spec, tokenizer, generation_config, hf = load_for_step(model_dir, max_seq_len, max_batch, dtype)
+    model = model_description(spec, config, generation_config, tokenizer, hf, max_seq_len, max_batch, dtype,
+                              max_call_tokens=max_call_tokens, ring_cache=ring_cache)
+    describe_tree_and_features(model, spec, tree, hidden_states)
     manifest = {
         "format": "trtspec-torch",  # in memory only: a torch engine is compiled at load time, never written
         "backend": "torch",
-        "model": model_description(spec, config, generation_config, tokenizer, hf, max_seq_len, max_batch, dtype,
-                                   max_call_tokens=max_call_tokens, ring_cache=ring_cache),
+        "model": model,
         "tokenizer": tokenizer_rel,
         "source": {"model_dir": str(model_dir.resolve())},
     }
