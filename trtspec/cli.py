@@ -176,11 +176,16 @@ def _torch_engines(args):
     from .manifest import read_manifest
     from .torch_backend import compile
 
-    heads = {"eagle3": lambda: read_manifest(args.draft)["model"]["target_layers"], "medusa": lambda: "last"}
-    features = heads[args.drafter]() if args.drafter in heads and args.draft else None
+    features = None  # the layers a head reads
+    if args.draft and args.drafter == "eagle3":
+        features = read_manifest(args.draft)["model"]["target_layers"]
+    elif args.draft and args.drafter == "medusa":
+        features = "last"
     tree = True if args.tree_width > 1 or args.tree_nodes or args.drafter == "medusa" else None
     target = compile(args.target, tree=tree, hidden_states=features)
-    return target, (args.draft if features is not None or not args.draft else compile(args.draft))
+    if features is not None or not args.draft:
+        return target, args.draft
+    return target, compile(args.draft)
 
 
 def _add_generate(sub):

@@ -184,6 +184,12 @@ def check_call(engine, input_ids, position_ids, first_row: int, tree_mask):
     return input_ids, position_ids, (check_tree(tree_mask, position_ids) if tree else None)
 
 
+def chain_mask(b: int, t: int) -> np.ndarray:
+    """The tree_mask of a chain call ([B, T, T], lower triangle: each token sees those before it), which an engine
+    with a tree input passes for calls that verify no tree (a read-only broadcast view)."""
+    return np.broadcast_to(np.tril(np.ones((t, t), bool)), (b, t, t))
+
+
 def path_moves(start: int, nodes) -> tuple[np.ndarray, np.ndarray] | None:
     """keep_path's slot moves: (source slots, destination slots) that bring an accepted tree path's nodes (call
     indices, root first) to the consecutive slots from ``start``; None when the path already lies there."""

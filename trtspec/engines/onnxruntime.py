@@ -17,7 +17,7 @@ import numpy as np
 
 from ..exporter.contract import max_call_tokens, slots_by_input
 from ..exporter.contract import HIDDEN_STATES, TREE_MASK
-from .base import CallGuard, SavedPrefix, check_call, check_step_inputs, path_moves, ring_rows
+from .base import CallGuard, SavedPrefix, chain_mask, check_call, check_step_inputs, path_moves, ring_rows
 
 _NP_DTYPES = {"float32": np.float32, "float16": np.float16}
 
@@ -272,7 +272,7 @@ class OnnxRuntimeEngine:
             bd.extra[name] = np.zeros((b, t, size), dtype=self.dtype)
             bd.io.bind_input(name, "cpu", 0, self.dtype, [b, t, size], bd.extra[name].ctypes.data)
         if g.tree:
-            bd.tree = np.tril(np.ones((b, t, t), bool))
+            bd.tree = chain_mask(b, t).copy()
             bd.causal = True
             bd.io.bind_input(TREE_MASK, "cpu", 0, np.bool_, [b, t, t], bd.tree.ctypes.data)
         if self.features_size:

@@ -21,7 +21,7 @@ from pathlib import Path
 from ..errors import ArtifactError, BackendUnavailableError
 import numpy as np
 
-from .base import CallGuard, SavedPrefix, check_call, path_moves
+from .base import CallGuard, SavedPrefix, chain_mask, check_call, path_moves
 from .profiles import is_static, select_profile
 from .tensorrt_compat import check_plan_compatible, compute_capability, import_tensorrt
 
@@ -147,7 +147,7 @@ class TensorRTEngine:
         input_ids, position_ids, tree_mask = check_call(self, input_ids, position_ids, first_row, tree_mask)
         b, t = input_ids.shape
         if tree_mask is None and self.tree_verify:
-            tree_mask = np.broadcast_to(np.tril(np.ones((t, t), bool)), (b, t, t))
+            tree_mask = chain_mask(b, t)
         index = select_profile(self.plan, b, t)
         torch = self._torch
         n, m = b * t, b * t * self.vocab_size

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..engines.base import CallGuard, SavedPrefix, check_call, path_moves, ring_rows
+from ..engines.base import CallGuard, SavedPrefix, chain_mask, check_call, path_moves, ring_rows
 from ..exporter.contract import max_call_tokens
 from ..errors import BackendUnavailableError
 from .cached_step import split_outputs, tree_args
@@ -98,8 +98,7 @@ class TorchEngine:
         ids = torch.from_numpy(input_ids).to(self.device)
         pos = torch.from_numpy(position_ids).to(self.device)
         if tree_mask is None and self.tree_verify:  # a chain call: the causal mask (one graph per shape class)
-            b, t = input_ids.shape
-            tree_mask = np.broadcast_to(np.tril(np.ones((t, t), bool)), (b, t, t)).copy()
+            tree_mask = chain_mask(*input_ids.shape).copy()
         tree = None if tree_mask is None else torch.from_numpy(tree_mask).to(self.device)
         with self._guard, torch.no_grad():
             if first_row:
