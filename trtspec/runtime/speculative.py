@@ -175,7 +175,7 @@ class RowSampler:
             token = sample(q, self.rng)
         else:
             token, x = self._choose(logits, position)
-            if x.max() == -np.inf:
+            if x[token] == -np.inf:  # (a pick is on the support unless nothing is: no pass over V for the check)
                 return -1, None
             q = None
         if self.processor is not None:
