@@ -121,14 +121,14 @@ def prefill_cost(target, draft, prompt_len, repeats) -> float:
 
 
 def ceiling(tau, costs, batches, ks, perfect: bool = False, free_draft: bool = False, prefill: float = 0.0,
-            new_tokens: float = 128, only=None):
+            new_tokens: float = 128):
     """Per batch size the best k and its rate (tokens/s), and the ratio of the largest batch's to one row's.
     ``prefill``: seconds of reading a request's prompt, which stops every row's rounds while it runs; each row
-    reads one prompt per ``new_tokens`` it generates. ``only``: the k values allowed (default all of ``ks``)."""
+    reads one prompt per ``new_tokens`` it generates."""
     best = {}
     for b in batches:  # (batches: one row first, the most rows last)
         rates = {}
-        for k in only or ks:
+        for k in ks:
             t = (k + 1) if perfect else tau[k]
             seconds = costs[(b, k)]["verify"] + (0.0 if free_draft or perfect else costs[(b, k)]["draft"])
             # b rows generating new_tokens each: new_tokens / t rounds, and b prompts read
@@ -190,8 +190,8 @@ def main(argv=None):
                      ("with the prompts read: the pair's calls", read),
                      ("with the prompts read: draft calls free", {"free_draft": True, **read}),
                      ("with the prompts read: a perfect free draft", {"perfect": True, **read}),
-                     ("with the prompts read: plain decoding", {"only": [0], **read})):
-        best, ratio = ceiling(tau, costs, batches, ks, **kw)
+                     ("with the prompts read: plain decoding", {"ks": [0], **read})):
+        best, ratio = ceiling(tau, costs, batches, kw.pop("ks", ks), **kw)
         res["ceilings"][name] = {"best": {str(b): {"k": k, "tok_s": r} for b, (k, r) in best.items()}, "ratio": ratio}
         lines.append(f"| {name} | k = {best[1][0]}, {best[1][1]:.0f} tok/s | k = {best[batches[-1]][0]}, "
                      f"{best[batches[-1]][1]:.0f} tok/s | **{ratio:.2f}x** |")
