@@ -73,6 +73,96 @@ def test_ragged_batch_logits_match_hf(arch, backend, torch_engine, model_dir, hf
 
 
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_greedy_steps_on_the_device_equal_the_forward_loop_and_stop_where_told(backend, torch_engine):
+    from trtspec.engines.base import forward_greedy_steps
+    from trtspec.torch_backend.engine import GREEDY_CHUNK
+
+    engine = torch_engine("llama", backend)
+    prompt = random_ids(6, seed=5)
+    steps = GREEDY_CHUNK + 4  # two chunks
+
+    def run(loop, stop_after=None):
+        engine.reset()
+        engine.forward(prompt[None, :5], np.arange(5)[None])
+        got = []
+        calls, _ = loop(engine, 0, int(prompt[5]), 5, steps, lambda t: got.append(t) or len(got) != stop_after)
+        return calls, got
+
+    calls, reference = run(forward_greedy_steps)
+    assert (calls, len(reference)) == (steps, steps)
+    assert run(type(engine).greedy_steps) == (steps, reference)
+    stop = GREEDY_CHUNK + 2  # inside the second chunk: the rest of it ran on the device, past the stop
+    calls, got = run(type(engine).greedy_steps, stop_after=stop)
+    assert (calls, got) == (stop, reference[:stop])
+    # the slots written past the stop are hidden: decoding on from the stop gives the reference's next tokens
+    rest = []
+    type(engine).greedy_steps(engine, 0, got[-1], 5 + stop, steps - stop, lambda t: rest.append(t) or True)
+    assert got + rest == reference
+
+
+def test_a_new_thread_adopts_the_cudagraph_tree_state_of_the_engine():
+    # The CUDA-graphed calls of a torch engine run on the scheduler's thread; torch < 2.13 keeps the graphs'
+    # manager only in the thread that imported its cudagraph trees and fails an assertion elsewhere.
+    import threading
+
+    from torch._inductor import cudagraph_trees
+
+    from trtspec.torch_backend.engine import adopt_cudagraph_tree_state, cudagraph_tree_state
+
+    state = cudagraph_tree_state()
+    assert state is not None and set(state) == {"tree_manager_containers", "tree_manager_locks"}
+    seen = {}
+
+    def worker():
+        seen["before"] = hasattr(cudagraph_trees.local, "tree_manager_containers")
+        adopt_cudagraph_tree_state(state)
+        seen["after"] = {name: cudagraph_trees.get_obj(cudagraph_trees.local, name) for name in state}
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert seen["before"] is False  # what fails on a GPU without the adoption
+    assert all(seen["after"][name] is state[name] for name in state)
+
+
+def test_the_tensorrt_guard_sees_the_in_place_cache_write_and_passes_the_functional_one(model_dir):
+    # backend="trtspec" hands a graph to Torch-TensorRT only when it stores into no tensor it was given
+    from trtspec.torch_backend.dynamo_backend import writes_in_place
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    ids, pos = torch.tensor([[5, 6]]), torch.tensor([[0, 1]])
+    in_place = trtspec.compile(model_dir("llama"), max_seq_len=S_MAX, max_batch=1, backend="eager")
+    torch.compile(in_place.module, backend=capture, fullgraph=True)(ids, pos)
+    functional = _functional_engine(model_dir)
+    caches = [c[:1] for c in functional.caches]
+    torch.compile(functional.module.step, backend=capture, fullgraph=True)(ids, pos, *caches)
+    assert [writes_in_place(gm) for gm in graphs] == [True, False]
+
+
+def test_bfloat16_engine_logits_match_hf_in_bfloat16(model_dir):
+    # The dtype GPU users run: the torch backend used to refuse it (the ONNX export's dtype list), so
+    # bench_torch.py --dtype bfloat16 and gpu_check.py failed before their first call.
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    engine = trtspec.compile(model_dir("llama"), max_seq_len=S_MAX, max_batch=1, backend="eager", dtype="bfloat16")
+    assert engine.caches[0].dtype == torch.bfloat16
+    model = AutoModelForCausalLM.from_pretrained(model_dir("llama"), dtype=torch.bfloat16).eval()
+    ids = random_ids(12, seed=4)
+    ref = hf_logits(model, ids)
+    out = np.concatenate([engine.forward(ids[None, :7], np.arange(7)[None])[0],
+                          engine.forward(ids[None, 7:8], np.array([[7]]))[0],
+                          engine.forward(ids[None, 8:12], np.arange(8, 12)[None])[0]])
+    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-2
+    assert (out.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
 def test_cache_is_written_in_place_only_at_the_new_positions(backend, torch_engine):
     engine = torch_engine("llama", backend)
     addresses = [c.data_ptr() for c in engine.caches]

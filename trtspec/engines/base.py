@@ -251,6 +251,11 @@ def greedy_steps(engine, row: int, token: int, position: int, steps: int, on_tok
     # the class's own method only: a wrapper that forwards attributes but overrides forward sees every call
     if getattr(type(engine), "greedy_steps", None) is not None:
         return engine.greedy_steps(row, token, position, steps, on_token)
+    return forward_greedy_steps(engine, row, token, position, steps, on_token)
+
+
+def forward_greedy_steps(engine, row: int, token: int, position: int, steps: int, on_token) -> tuple[int, float]:
+    """greedy_steps as a loop over ``engine.forward``: what an engine's own loop must equal."""
     seconds = 0.0
     for i in range(steps):
         t0 = time.perf_counter()

@@ -17,7 +17,9 @@ from .contract import DEFAULT_MAX_CALL_TOKENS, cache_slots, check_step_graph, io
 
 OPSET = 24
 GRAPH_FILE = "model.onnx"
-DTYPES = ("float32", "float16")
+DTYPES = ("float32", "float16")  # the ONNX export's: what onnxruntime's CPU kernels and our engines take
+# the torch backend also runs bfloat16, the dtype GPU users run
+TORCH_DTYPES = (*DTYPES, "bfloat16")
 # Above this many weight bytes the initializers go to model.onnx.data (protobuf stops at 2 GiB).
 EXTERNAL_DATA_BYTES = 1 << 30
 
@@ -46,10 +48,10 @@ def _special_tokens(config, generation_config, tokenizer) -> dict:
     return {"bos_token_id": bos, "eos_token_ids": eos, "pad_token_id": pad}
 
 
-def load_for_step(model_dir: Path, max_seq_len: int, max_batch: int, dtype: str):
+def load_for_step(model_dir: Path, max_seq_len: int, max_batch: int, dtype: str, dtypes: tuple = DTYPES):
     """Check the step options, load the HF model and tokenizer, and refuse what cannot be stepped."""
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+    if dtype not in dtypes:
+        raise ValueError(f"dtype {dtype!r} is not supported; choose one of {', '.join(dtypes)}")
     if max_seq_len < 2:
         raise ValueError(f"max_seq_len must be at least 2 (got {max_seq_len})")
     if max_batch < 1:

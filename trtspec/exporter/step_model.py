@@ -22,7 +22,6 @@ from torch import nn
 
 from .architectures import ArchSpec
 from .attention_op import softcapped_attention
-from .kv_cache_inplace import kv_cache_write_
 from .kv_cache_op import kv_cache_write, kv_cache_write_ring
 
 
@@ -40,6 +39,25 @@ def _rope(x, cos, sin):
     return torch.cat((rot * cos + _rotate_half(rot) * sin, rest), dim=-1)
 
 
+class FusedLinear(nn.Module):
+    """Linear layers of one module that read the same input, as one matmul; forward returns their outputs in
+    order. Their weights move here: the module keeps none of them (no second copy of a model's projections)."""
+
+    def __init__(self, module: nn.Module, names: tuple[str, ...]):
+        super().__init__()
+        linears = [getattr(module, n) for n in names]
+        self.sizes = [lin.out_features for lin in linears]
+        self.weight = nn.Parameter(torch.cat([lin.weight for lin in linears]), requires_grad=False)
+        biases = [lin.bias if lin.bias is not None else lin.weight.new_zeros(lin.out_features) for lin in linears]
+        has_bias = any(lin.bias is not None for lin in linears)
+        self.bias = nn.Parameter(torch.cat(biases), requires_grad=False) if has_bias else None
+        for n in names:
+            delattr(module, n)
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+
+
 class StepModel(nn.Module):
     """forward(input_ids, position_ids, *past) -> (logits, *present); past/present per layer: key, value.
 
@@ -49,7 +67,8 @@ class StepModel(nn.Module):
     """
 
     def __init__(self, hf_model: nn.Module, spec: ArchSpec, max_seq_len: int, *, in_place_cache: bool = False,
-                 cache_slots: list[int] | None = None, tree: bool = False, hidden_layers: list[int] | None = None):
+                 cache_slots: list[int] | None = None, tree: bool = False, hidden_layers: list[int] | None = None,
+                 fuse_projections: bool = False):
         super().__init__()
         self.spec = spec
         # tree: a tree_mask input [B, T, T] (contract.py); hidden_layers: HF hidden_states indices output, concatenated
@@ -100,9 +119,33 @@ class StepModel(nn.Module):
             for (cos_name, sin_name), (cos, sin) in zip(self.rope_names, tables):
                 self.register_buffer(cos_name, cos[0].to(dtype), persistent=False)
                 self.register_buffer(sin_name, sin[0].to(dtype), persistent=False)
+        self.fused = nn.ModuleDict()  # "qkv_{i}", "gate_up_{i}": layer i's projections as one matmul
+        if fuse_projections:
+            self._fuse_projections()
         self.register_buffer("slots", torch.arange(max_seq_len), persistent=False)
         for n in set(self.cache_slots) - {max_seq_len}:
             self.register_buffer(f"ring_slots_{n}", torch.arange(n), persistent=False)
+
+    def _fuse_projections(self):
+        """The torch backend's: q/k/v, and an MLP's gate/up, as one matmul each (their weights move into it).
+
+        On a GPU a narrow model's decode step is bound by its kernel count more than by its bytes; one matmul
+        instead of three, and of two, saves three launches a layer. The ONNX export keeps HF's own projections."""
+        for i, layer in enumerate(self.layers):
+            attn = getattr(layer, "self_attn", None)
+            if attn is not None and all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj")):
+                self.fused[f"qkv_{i}"] = FusedLinear(attn, ("q_proj", "k_proj", "v_proj"))
+            mlp = getattr(layer, "mlp", None)
+            # the gated MLP of the llama family (Qwen, Mistral, Gemma): down(act(gate(x)) * up(x))
+            if mlp is not None and {n for n, _ in mlp.named_children()} == {"gate_proj", "up_proj", "down_proj",
+                                                                              "act_fn"}:
+                self.fused[f"gate_up_{i}"] = FusedLinear(mlp, ("gate_proj", "up_proj"))
+
+    def mlp(self, i, layer, x):
+        if f"gate_up_{i}" not in self.fused:
+            return layer.mlp(x)
+        gate, up = self.fused[f"gate_up_{i}"](x)
+        return layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
 
     def tree_masks(self, position_ids, tree_mask):
         # A tree call: node i (position position_ids[:, i]) sees every slot before the call's first write and, of
@@ -140,8 +183,9 @@ class StepModel(nn.Module):
                 out[key] = (held <= pos) & (held > pos - window) & (held >= 0)
         return out
 
-    def attention(self, i, layer, x, rope, mask, past_key, past_value, write_indices):
+    def attention(self, i, layer, x, rope, mask, past_key, past_value, writes):
         # x [B, T, hidden] -> [B, T, hidden], present key/value [B, Hkv, S_max, D]
+        # writes: write_indices [B] (the functional write), or {cache length: (rows, slots)} (in place)
         spec = self.spec
         # unflatten/flatten, not view(b, t, ...): symbolic sizes would make the exporter read them
         # off a cache input with a Shape node, and the cache input must feed only its TensorScatter.
@@ -157,6 +201,8 @@ class StepModel(nn.Module):
             if hasattr(attn, "qkv_proj"):  # Phi-3: one fused projection, split in q, k, v order
                 nq, nkv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
                 q, k, v = attn.qkv_proj(x).split([nq, nkv, nkv], dim=-1)
+            elif f"qkv_{i}" in self.fused:
+                q, k, v = self.fused[f"qkv_{i}"](x)
             else:
                 q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
             q = q.unflatten(-1, (spec.num_heads, spec.head_dim))
@@ -167,16 +213,19 @@ class StepModel(nn.Module):
             v = v.unflatten(-1, (spec.num_kv_heads, spec.head_dim)).transpose(1, 2)
             q, k = _rope(q, *rope), _rope(k, *rope)
             out_proj = attn.o_proj
-        if self.in_place_cache:  # (a ring's positions wrap inside the op)
-            kv_cache_write_(past_key, k, write_indices)
-            kv_cache_write_(past_value, v, write_indices)
+        if self.in_place_cache:
+            # an indexed store that inductor sees (and fuses with RoPE), not an opaque op: an opaque write cost
+            # 4 kernels per cache per layer, a large share of a decode step on a GPU
+            rows, slots = writes[self.cache_slots[i]]
+            past_key[rows, :, slots] = k.transpose(1, 2)  # [B, T, Hkv, D] at each row's slots
+            past_value[rows, :, slots] = v.transpose(1, 2)
             present_key, present_value = past_key, past_value
         elif self.cache_slots[i] < self.max_seq_len:
-            present_key = kv_cache_write_ring(past_key, k, write_indices)
-            present_value = kv_cache_write_ring(past_value, v, write_indices)
+            present_key = kv_cache_write_ring(past_key, k, writes)
+            present_value = kv_cache_write_ring(past_value, v, writes)
         else:
-            present_key = kv_cache_write(past_key, k, write_indices)
-            present_value = kv_cache_write(past_value, v, write_indices)
+            present_key = kv_cache_write(past_key, k, writes)
+            present_value = kv_cache_write(past_value, v, writes)
         if spec.attn_softcap:  # Gemma 2: SDPA has no soft-capping; one op exported as Attention(softcap=...)
             y = softcapped_attention(q, present_key, present_value, mask, self.scalings[i], spec.attn_softcap)
         else:
@@ -195,7 +244,13 @@ class StepModel(nn.Module):
         # input_ids [B, T] int64, position_ids [B, T] int64, [tree_mask [B, T, T] bool,]
         # past 2L x [B, Hkv, slots_i, D] (slots_i: S_max or a ring)
         # -> logits [B, T, V], [hidden_states [B, T, len(hidden_layers) * H],] present 2L x [B, Hkv, slots_i, D]
-        write_indices = position_ids[:, 0]
+        writes = position_ids[:, 0]  # each row's first slot
+        if self.in_place_cache:
+            # per cache length: (rows [B, 1], slots [B, T]) of the call's writes, slot = position mod length (a ring
+            # wraps; a full cache never does); tree nodes take consecutive slots from the root's, as chains do
+            rows = torch.arange(input_ids.shape[0], device=input_ids.device)[:, None]
+            step = torch.arange(input_ids.shape[1], device=input_ids.device)
+            writes = {n: (rows, (writes[:, None] + step) % n) for n in set(self.cache_slots)}
         if self.tree:
             masks = self.tree_masks(position_ids, past[0])
             past = past[1:]
@@ -218,14 +273,14 @@ class StepModel(nn.Module):
                 norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
                 rope = ropes[self.rope_table[i]]
             a, key, value = self.attention(
-                i, layer, norm1(h), rope, masks[self.mask_keys[i]], past[2 * i], past[2 * i + 1], write_indices
+                i, layer, norm1(h), rope, masks[self.mask_keys[i]], past[2 * i], past[2 * i + 1], writes
             )
             if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma: a norm after attention and after the MLP too
                 h = h + norm2(a)
-                h = h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
+                h = h + layer.post_feedforward_layernorm(self.mlp(i, layer, layer.pre_feedforward_layernorm(h)))
             else:
                 h = h + a
-                h = h + layer.mlp(norm2(h))
+                h = h + self.mlp(i, layer, norm2(h))
             present += [key, value]
         h = self.final_norm(h)
         hidden[len(self.layers)] = h  # HF's last hidden state: after the final norm

@@ -4,15 +4,16 @@ Importing this module registers it: ``torch.compile(model, backend="trtspec")``.
 
 On the TensorRT side the cache write must be the functional
 ``trtspec::kv_cache_write`` (cache in, cache out), which our converter maps to
-TensorRT's in-place KV cache update layer (tensorrt_converter.py). A graph with
-the mutating ``trtspec::kv_cache_write_`` (a module buffer written in place, the
-inductor path) is refused there: a TensorRT network cannot mutate a torch buffer.
-``trtspec.compile(..., backend="torch_tensorrt")`` builds the functional form.
+TensorRT's in-place KV cache update layer (tensorrt_converter.py). A graph that
+stores into a tensor it was given (the inductor path's cache write: an indexed
+store into a module buffer) is refused there: a TensorRT network cannot mutate a
+torch buffer. ``trtspec.compile(..., backend="torch_tensorrt")`` builds the functional form.
 """
 
 from __future__ import annotations
 
 import logging
+import operator
 
 import torch
 from torch._dynamo import lookup_backend, register_backend
@@ -22,7 +23,7 @@ from ..errors import BackendUnavailableError
 log = logging.getLogger("trtspec.torch")
 
 MUTATING_WRITE_ON_TENSORRT = (
-    "this graph writes a torch buffer in place (trtspec::kv_cache_write_), which a TensorRT network cannot do; "
+    "this graph writes a torch buffer in place (an indexed store), which a TensorRT network cannot do; "
     "pass the cache in and out with the functional trtspec::kv_cache_write, as "
     "trtspec.compile(..., backend='torch_tensorrt') does, or compile with backend='inductor'"
 )
@@ -48,15 +49,17 @@ def require_torch_tensorrt() -> None:
     tensorrt_converter.register()
 
 
-def _writes_kv_cache(gm: torch.fx.GraphModule) -> bool:
-    op = torch.ops.trtspec.kv_cache_write_
-    return any(node.target in (op, op.default) for node in gm.graph.nodes)
+def writes_in_place(gm: torch.fx.GraphModule) -> bool:
+    """The graph stores into a tensor it was given: ``x[idx] = v`` or an in-place method (``x.copy_(v)``)."""
+    return any((node.op == "call_function" and node.target is operator.setitem)
+               or (node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("__"))
+               for node in gm.graph.nodes)
 
 
 @register_backend(name="trtspec")
 def trtspec_backend(gm: torch.fx.GraphModule, example_inputs):
     if torch_tensorrt_importable():
-        if _writes_kv_cache(gm):
+        if writes_in_place(gm):
             raise NotImplementedError(MUTATING_WRITE_ON_TENSORRT)
         require_torch_tensorrt()
         log.info("trtspec backend: compiling a graph of %d nodes with torch_tensorrt", len(gm.graph.nodes))

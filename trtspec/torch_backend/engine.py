@@ -2,7 +2,7 @@
 
 Each layer's K and V live in one buffer [max_batch, Hkv, S_max, D], allocated
 once; a call with B rows passes the first B rows (views) to StepModel, whose
-``trtspec::kv_cache_write_`` writes them in place. Positions are tensor inputs
+indexed store writes them in place (inductor fuses it with RoPE). Positions are tensor inputs
 and the batch and token dimensions are compiled dynamic, so decoding at a new
 position never recompiles; torch specialises sizes 0 and 1, so the graphs are
 at most: (B = 1 | B > 1) x (T = 1 | T > 1).
@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 
 import numpy as np
 
-from ..engines.base import CallGuard, SavedPrefix, chain_mask, check_call, path_moves, ring_rows
+from ..engines.base import (CallGuard, SavedPrefix, chain_mask, check_call, check_step_inputs, forward_greedy_steps,
+                            path_moves, ring_rows)
 from ..exporter.contract import max_call_tokens
 from ..errors import BackendUnavailableError
 from .cached_step import split_outputs, tree_args
@@ -30,6 +32,8 @@ BACKENDS = ("inductor", "eager", "torch_tensorrt")
 DEVICES = ("cpu", "cuda")
 # On CUDA, calls of at most this many tokens per row (decode, verify k+1) run as CUDA graphs.
 MAX_GRAPHED_TOKENS = 16
+# greedy_steps reads its tokens back to the host once per this many calls: a stop costs at most as many calls more
+GREEDY_CHUNK = 8
 
 log = logging.getLogger("trtspec.torch")
 
@@ -68,7 +72,8 @@ class TorchEngine:
         hf = source.hf_model.requires_grad_(False)
         step = StepModel(hf, source.spec, self.max_seq_len, in_place_cache=not functional_cache,
                          cache_slots=model["cache_slots"], tree=self.tree_verify,
-                         hidden_layers=features.get("layers")).eval().to(self.device)
+                         hidden_layers=features.get("layers"), fuse_projections=not functional_cache
+                         ).eval().to(self.device)
         self.module = CachedStep(step, self.max_batch, getattr(torch, model["dtype"]), self.device)
         if functional_cache:
             # TensorRT: the compiled graph takes the caches and returns them (the converter makes the
@@ -77,6 +82,8 @@ class TorchEngine:
             self._general = self._graphed = _functional_call(compiled, self.module)
         else:
             self._general, self._graphed = _compile(self.module, compile_backend, self.device.type)
+        # CUDA graphs (inductor's cudagraph trees) keep their manager per thread; the scheduler's thread needs one
+        self._cudagraph_state = cudagraph_tree_state() if self.device.type == "cuda" else None
 
     @property
     def caches(self):
@@ -95,6 +102,8 @@ class TorchEngine:
         if self._rings is not None:
             self._rings.wrote(first_row, position_ids)
         fn = self._graphed if input_ids.shape[1] <= MAX_GRAPHED_TOKENS else self._general
+        if self._cudagraph_state is not None:
+            adopt_cudagraph_tree_state(self._cudagraph_state)
         ids = torch.from_numpy(input_ids).to(self.device)
         pos = torch.from_numpy(position_ids).to(self.device)
         if tree_mask is None and self.tree_verify:  # a chain call: the causal mask (one graph per shape class)
@@ -109,6 +118,42 @@ class TorchEngine:
             if hidden is not None:
                 self.features = hidden.float().cpu().numpy()
             return logits.float().cpu().numpy()
+
+    def greedy_steps(self, row: int, token: int, position: int, steps: int, on_token) -> tuple[int, float]:
+        """engines.base.greedy_steps with the tokens kept on the device: each call's argmax feeds the next call
+        there, and the host reads them once per GREEDY_CHUNK calls instead of a sync and a logits copy per call.
+
+        Calls after the one whose token on_token refused (at most a chunk's) wrote slots beyond the row's tokens,
+        which the mask hides and later writes overwrite; the count returned is the calls whose tokens were taken.
+        Row 0 of a full-cache engine without features (the draft chain, the scheduler's lone row); else
+        forward's loop."""
+        import torch
+
+        if row or self._rings is not None or self.features_size or steps < 1:
+            return forward_greedy_steps(self, row, token, position, steps, on_token)
+        check_step_inputs(np.array([[token]]), np.array([[position + steps - 1]]), max_batch=self.max_batch,
+                          max_seq_len=self.max_seq_len, vocab_size=self.vocab_size, first_row=row)
+        if position < 0:
+            raise ValueError("position_ids must be non-negative")
+        dev = self.device
+        positions = torch.arange(position, position + steps, device=dev).view(-1, 1, 1)
+        tree = torch.ones((1, 1, 1), dtype=torch.bool, device=dev) if self.tree_verify else None
+        tok = torch.tensor([[token]], device=dev)
+        if self._cudagraph_state is not None:
+            adopt_cudagraph_tree_state(self._cudagraph_state)
+        t0, done = time.perf_counter(), 0
+        with self._guard, torch.no_grad():
+            while done < steps:
+                picked = []
+                for i in range(done, min(steps, done + GREEDY_CHUNK)):
+                    logits, _ = self._graphed(tok, positions[i], tree)
+                    tok = logits[:, -1].argmax(-1, keepdim=True)  # [1, 1]: the first maximum, as numpy's argmax
+                    picked.append(tok)
+                for t in torch.cat(picked).view(-1).tolist():  # (one sync)
+                    done += 1
+                    if not on_token(t):
+                        return done, time.perf_counter() - t0
+        return steps, time.perf_counter() - t0
 
     def keep_path(self, row: int, start: int, nodes):
         """Move an accepted tree path's K/V (its nodes' call indices, root first) to the consecutive slots from
@@ -148,6 +193,34 @@ class TorchEngine:
                 cache.zero_()
             if self._rings is not None:
                 self._rings.reset()
+
+
+# torch's cudagraph trees keep their managers in two thread-local attributes of this module
+_TREE_STATE = ("tree_manager_containers", "tree_manager_locks")
+
+
+def cudagraph_tree_state() -> dict | None:
+    """This thread's cudagraph-tree state (the managers of CUDA-graphed calls), to share with the threads that call
+    the engine; None where this torch keeps none that we can read."""
+    from torch._inductor import cudagraph_trees
+
+    try:
+        return {name: cudagraph_trees.get_obj(cudagraph_trees.local, name) for name in _TREE_STATE}
+    except (AssertionError, AttributeError):
+        return None
+
+
+def adopt_cudagraph_tree_state(state: dict) -> None:
+    """Give the calling thread the engine's cudagraph-tree state where it has none of its own.
+
+    Before torch 2.13 (pytorch/pytorch#123177) the state lives only in the thread that imported the cudagraph
+    trees, and any CUDA-graphed call from another thread (the scheduler's, the server's) fails an assertion.
+    One engine's calls never overlap (CallGuard), so threads can share one manager."""
+    from torch._inductor import cudagraph_trees
+
+    for name, value in state.items():
+        if not hasattr(cudagraph_trees.local, name):
+            setattr(cudagraph_trees.local, name, value)
 
 
 def _functional_call(compiled_step, module, first_row: int = 0):
