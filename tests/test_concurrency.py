@@ -45,7 +45,7 @@ def _in_threads(fn, n):
     return results
 
 
-@pytest.mark.parametrize("drafter", ["draft", "prompt_lookup"])
+@pytest.mark.parametrize("drafter", ["draft", "prompt_lookup", "suffix"])  # suffix: its cache shared by the threads
 def test_8_threads_sharing_one_generator_each_get_their_output_alone(target, draft, drafter):
     lengths = [48, 10, 30, 64, 5, 48, 20, 40]
     alone = [Generator(target).generate(p, max_new_tokens=n).token_ids for p, n in zip(PROMPTS, lengths)]

@@ -143,7 +143,7 @@ def _log_softmax(x):
     return x - np.log(np.exp(x).sum())
 
 
-@pytest.mark.parametrize("drafter", ["none", "draft", "prompt_lookup"])
+@pytest.mark.parametrize("drafter", ["none", "draft", "prompt_lookup", "suffix"])
 def test_greedy_logprobs_equal_hf_log_softmax_on_every_path(drafter, target, noisy, hf_model, model_dir):
     model = hf_model(model_dir(ARCH))
     gen = Generator(target, noisy if drafter == "draft" else None, drafter=drafter, num_draft_tokens=3)

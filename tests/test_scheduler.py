@@ -96,6 +96,7 @@ def test_seeded_sampling_equals_target_only_sampling_whatever_the_drafter(target
     prompt = make_prompt(3, 12)
     want = alone(prompt, **params).token_ids
     for gen in (Generator(target, draft, num_draft_tokens=3, k_policy="fixed"), Generator(target, drafter="prompt_lookup", k_policy="fixed"),
+                Generator(target, drafter="suffix", k_policy="fixed"),
                 Generator(target, draft, num_draft_tokens=6, k_policy="load-aware")):
         assert gen.generate(prompt, **params).token_ids == want
     other = Generator(target).generate(prompt, **{**params, "seed": 6}).token_ids

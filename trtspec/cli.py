@@ -154,8 +154,9 @@ def _add_engine_arguments(p) -> None:
     p.add_argument("--target", required=True, help="engine (or export) directory of the target model")
     p.add_argument("--draft", help="engine (or export) directory of the draft model, or `self`: the target's own "
                                    "INT4 build (made once from its export, beside the target engine)")
-    p.add_argument("--drafter", choices=["draft", "eagle3", "medusa", "prompt_lookup", "none"],
-                   help="default: draft if --draft, else none; eagle3/medusa: --draft is the exported head")
+    p.add_argument("--drafter", choices=["draft", "eagle3", "medusa", "prompt_lookup", "suffix", "none"],
+                   help="default: draft if --draft, else none; eagle3/medusa: --draft is the exported head; suffix: "
+                        "no model, trees from the request's own text and earlier outputs (a --tree target) or chains")
     p.add_argument("-k", "--num-draft-tokens", type=_positive_int, default=4,
                    help="most tokens drafted per round (default 4); with --k-policy load-aware fewer, down to 0, "
                         "when drafting does not pay")
@@ -165,7 +166,8 @@ def _add_engine_arguments(p) -> None:
     p.add_argument("--tree-width", type=_positive_int, default=1,
                    help="draft a tree: beside each drafted token its next likeliest tree-width - 1, verified in one "
                         "target call (the target exported with --tree; default 1: chains)")
-    p.add_argument("--tree-nodes", type=_positive_int, help="most tree nodes per round (default k x tree-width)")
+    p.add_argument("--tree-nodes", type=_positive_int, help="most tree nodes per round (default k x tree-width; "
+                                                            "suffix and medusa: 16)")
     p.add_argument("--threads", type=_positive_int, help="onnxruntime intra-op threads (default: all cores)")
 
 

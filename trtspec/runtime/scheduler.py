@@ -55,10 +55,12 @@ from .request import (
 from .sampling import SamplingParams, log_probs, logprob_entry
 from .self_draft import SELF, self_draft
 from .speculative import SPECULATIVE_SAMPLING, RowSampler
+from .suffix import MAX_MATCH as CONTEXT_TOKENS
+from .suffix import SuffixDrafter
 from .tokenizer import encode_prompt, load_tokenizer
 from .vocab import check_same_vocabulary
 
-DRAFTERS = ("draft", "eagle3", "medusa", "prompt_lookup", "none")
+DRAFTERS = ("draft", "eagle3", "medusa", "prompt_lookup", "suffix", "none")
 HEADS = ("eagle3", "medusa")  # drafters whose draft is a head on the target's features (draft=PATH of the head)
 K_POLICIES = ("load-aware", "fixed")
 
@@ -164,10 +166,14 @@ class Scheduler:
             self.drafter = MedusaDrafter(draft, self.target, tree_nodes=tree_nodes)
         elif drafter == "prompt_lookup":
             self.drafter = PromptLookupDrafter(max_batch)
+        elif drafter == "suffix":  # trees where the target verifies them; its cache of outputs lives as long as this
+            self.drafter = SuffixDrafter(max_batch, tree=bool(getattr(self.target, "tree_verify", False)),
+                                         tree_nodes=tree_nodes)
         else:
             self.drafter = NoDrafter()
         self.drafter_name = drafter
         self._observe = getattr(self.drafter, "observe", None)  # drafters that read the target's features
+        self._learn_output = getattr(self.drafter, "finish", None)  # drafters that learn from finished outputs
         # the k values the engines can verify in one call (TensorRT engines have fixed profiles)
         sizes = getattr(self.target, "verify_tokens", None)
         self.allowed_k = [k for k in range(1, min(self.capacity, self.max_call)) if sizes is None or k + 1 in sizes]
@@ -213,8 +219,10 @@ class Scheduler:
         if nodes is not None and (not isinstance(nodes, int) or isinstance(nodes, bool) or nodes < 1):
             raise ValueError(f"tree_nodes must be an integer >= 1 (or None: depth x width), got {nodes!r}")
         if width > 1 or nodes is not None:
-            if drafter not in ("draft", *HEADS):
-                raise ValueError(f"tree_width/tree_nodes apply to the draft-model and head drafters, not {drafter!r}")
+            if width > 1 and drafter not in ("draft", *HEADS):
+                raise ValueError(f"tree_width applies to the draft-model and head drafters, not {drafter!r}")
+            if drafter not in ("draft", *HEADS, "suffix"):
+                raise ValueError(f"tree_nodes applies to the draft-model, head and suffix drafters, not {drafter!r}")
             if not getattr(self.target, "tree_verify", False):
                 raise ValueError(f"the target {self.target.path} cannot verify token trees: re-export it with "
                                  "--tree (trtspec export) or compile it with tree=True (torch backend), or use "
@@ -1037,6 +1045,9 @@ class Scheduler:
                     t_block = self.target.save_prefix(s, keep)
                     d_block = self.drafter.save_prefix(s, keep)
                     self.prefix_cache.add(self._tokens[s, :keep], t_block, d_block, pinned=r.prefix_only)
+            if self._learn_output is not None and r.finish_reason != "cancelled":
+                # the output, after the prompt's last tokens: what it followed is matchable too
+                self._learn_output(s, self._tokens[s, max(0, r.prompt_ids.size - CONTEXT_TOKENS) : int(self._n[s])])
             self._finish(r, r.output)
             with self._cv:
                 self._remove_row(s)
