@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
+from array import array
 from collections import OrderedDict, deque
 
 from .drafters import Proposal
@@ -27,6 +28,7 @@ from .tree import pack_trees
 MIN_MATCH = 2  # a suffix shorter than this says too little about what follows
 MAX_MATCH = 8
 MAX_OCCURRENCES = 16  # per n-gram: the latest ones (recent text predicts best)
+CACHE_LENGTHS = (2, 3, 4, 6, 8)  # the n-grams the shared cache indexes (a row's index has every length)
 
 
 def _grams_ending(seq: list[int], end: int):
@@ -61,20 +63,28 @@ class _Index:
 class SuffixCache:
     """Earlier requests' outputs for suffix drafting: at most ``max_tokens`` tokens, oldest out first.
 
+    Leaner than a row's index, since it lives as long as the server: tokens in arrays, n-grams of CACHE_LENGTHS
+    tokens only, keyed by their hash (a collision only misleads a proposal, which the target's verify corrects).
+    About 0.95 KB a token at worst (text that never repeats: 61 MB for the default 64 Ki tokens); less where it repeats.
     ``add`` and ``continuations`` lock; one cache serves every row of a Scheduler (and its server's lifetime)."""
 
-    def __init__(self, max_tokens: int = 1 << 20):
+    def __init__(self, max_tokens: int = 1 << 16):
         if not isinstance(max_tokens, int) or max_tokens < 0:
             raise ValueError(f"max_tokens must be an integer >= 0, got {max_tokens!r}")
         self.max_tokens = max_tokens
-        self._seqs: OrderedDict[int, list[int]] = OrderedDict()
-        self._grams: dict[tuple, deque] = {}  # n-gram -> (sequence id, follower position), latest last
+        self._seqs: OrderedDict[int, array] = OrderedDict()
+        self._grams: dict[int, list[int]] = {}  # hash of an n-gram -> [(sequence id << 32) | follower], latest last
         self._next_id = 0
         self.tokens = 0
         self._lock = threading.Lock()
 
+    @staticmethod
+    def _keys(seq, end: int):
+        window = tuple(seq[max(0, end - MAX_MATCH + 1) : end + 1])
+        return [hash(window[-m:]) for m in CACHE_LENGTHS if m <= len(window)]
+
     def add(self, tokens) -> None:
-        seq = [int(t) for t in tokens]
+        seq = array("q", (int(t) for t in tokens))
         if len(seq) <= MIN_MATCH or len(seq) > self.max_tokens:
             return
         with self._lock:
@@ -83,11 +93,11 @@ class SuffixCache:
             self._seqs[sid] = seq
             self.tokens += len(seq)
             for end in range(MIN_MATCH - 1, len(seq) - 1):
-                for key in _grams_ending(seq, end):
-                    hits = self._grams.get(key)
-                    if hits is None:
-                        self._grams[key] = hits = deque(maxlen=MAX_OCCURRENCES)
-                    hits.append((sid, end + 1))
+                for key in self._keys(seq, end):
+                    hits = self._grams.setdefault(key, [])
+                    hits.append((sid << 32) | (end + 1))
+                    if len(hits) > MAX_OCCURRENCES:
+                        del hits[0]
             while self.tokens > self.max_tokens:
                 self._evict()
 
@@ -95,23 +105,23 @@ class SuffixCache:
         sid, seq = self._seqs.popitem(last=False)
         self.tokens -= len(seq)
         for end in range(MIN_MATCH - 1, len(seq) - 1):
-            for key in _grams_ending(seq, end):
+            for key in self._keys(seq, end):
                 hits = self._grams.get(key)
                 if hits is not None:
-                    kept = [h for h in hits if h[0] != sid]
-                    if kept:
-                        hits.clear()
-                        hits.extend(kept)
-                    else:
+                    hits[:] = [h for h in hits if h >> 32 != sid]
+                    if not hits:
                         del self._grams[key]
 
     def continuations(self, key: tuple, depth: int) -> list[list[int]]:
-        """What followed the n-gram ``key`` in the stored outputs, latest first: up to ``depth`` tokens each."""
+        """What followed the n-gram ``key`` (CACHE_LENGTHS tokens long) in the stored outputs, latest first: up to
+        ``depth`` tokens each."""
+        if len(key) not in CACHE_LENGTHS:
+            return []
         with self._lock:
-            hits = self._grams.get(key)
+            hits = self._grams.get(hash(key))
             if not hits:
                 return []
-            return [self._seqs[sid][pos : pos + depth] for sid, pos in reversed(hits)]
+            return [self._seqs[h >> 32][(h & 0xFFFFFFFF) : (h & 0xFFFFFFFF) + depth].tolist() for h in reversed(hits)]
 
 
 class SuffixDrafter:
