@@ -160,15 +160,16 @@ def free_port() -> int:
 
 
 class Server:
-    """uvicorn in a thread on a free port of 127.0.0.1."""
+    """`trtspec serve`'s uvicorn server (server.run.make_server) in a thread on a free port of 127.0.0.1;
+    ``server.drain()`` drains it as SIGTERM would."""
 
-    def __init__(self, app):
-        import uvicorn
+    def __init__(self, app, **options):
+        from trtspec.server.run import make_server
 
         self.app = app
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.server = make_server(app, host="127.0.0.1", port=self.port, **options)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self):

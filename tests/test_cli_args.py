@@ -45,3 +45,18 @@ def test_the_cli_offers_the_schedulers_k_policies():
     from trtspec.runtime.scheduler import K_POLICIES
 
     assert cli.K_POLICIES == K_POLICIES
+
+
+def test_serve_bounds_queue_body_and_headers_by_default_as_the_server_does():
+    from trtspec.server.app import MAX_BODY_BYTES, MAX_QUEUE
+    from trtspec.server.run import HEADER_TIMEOUT
+
+    args = build_parser().parse_args(["serve", *REQUIRED["serve"]])
+    assert (args.max_queue, args.max_body_bytes, args.header_timeout) == (MAX_QUEUE, MAX_BODY_BYTES, HEADER_TIMEOUT)
+    assert not args.metrics_public and not args.parse_special_tokens
+
+
+def test_serve_takes_one_api_key_source_on_its_command_line(capsys):
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["serve", *REQUIRED["serve"], "--api-key", "a", "--api-key-file", "keys"])
+    assert exc.value.code == 2 and "not allowed with argument" in capsys.readouterr().err

@@ -104,8 +104,10 @@ def test_completions_and_chat_through_ray_equal_generator_output(endpoint, alone
 
 def test_bad_requests_are_400s_from_the_ingress(endpoint):
     c = client(endpoint.url)
-    with pytest.raises(openai.BadRequestError, match="temperature must be a finite number"):
-        c.completions.create(model="tiny", prompt="x", max_tokens=4, temperature=-1)
+    with pytest.raises(openai.BadRequestError, match="temperature: Input should be greater than or equal to 0"):
+        c.completions.create(model="tiny", prompt="x", max_tokens=4, temperature=-1)  # refused by the ingress
+    with pytest.raises(openai.BadRequestError, match="logit_bias key '99999' is not a token id"):
+        c.completions.create(model="tiny", prompt="x", max_tokens=4, logit_bias={"99999": 5})  # by the replica
     with pytest.raises(openai.BadRequestError, match="128-token context"):
         c.completions.create(model="tiny", prompt="x", max_tokens=500)
     with pytest.raises(openai.BadRequestError, match="not served here"):

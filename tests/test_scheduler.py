@@ -386,6 +386,49 @@ def test_an_engine_failure_fails_the_requests_in_flight_and_the_scheduler_keeps_
     assert scheduler.stats().requests_failed == 2
 
 
+@pytest.mark.parametrize("call", [1, 4, 9])  # its first token, a draft position, later ones (drafted or verified)
+def test_a_request_whose_own_processing_raises_fails_alone(target, draft, alone, call):
+    from trtspec.runtime.request import RequestFailedError
+
+    scheduler = Scheduler(target, draft, num_draft_tokens=3, k_policy="fixed")
+    prompts = [make_prompt(80 + i, 6) for i in range(3)]
+    with lease(target):  # nothing runs until the culprit is rigged
+        victims = scheduler.submit_many(prompts, [{"max_new_tokens": 40}] * 3)
+        culprit = scheduler.submit(make_prompt(90, 6), max_new_tokens=40, logit_bias={5: 1.0})
+        processor = culprit._request.sampler.processor
+        apply, calls = processor.apply, []
+
+        def failing(*args, **kwargs):  # its logits processing raises at its call-th use
+            calls.append(1)
+            if len(calls) == call:
+                raise FloatingPointError("simulated fault in one request")
+            return apply(*args, **kwargs)
+
+        processor.apply = failing
+    with pytest.raises(RequestFailedError, match="simulated fault in one request"):
+        culprit.result(timeout=60)
+    assert [h.result(timeout=60).token_ids for h in victims] == [alone(p, max_new_tokens=40).token_ids for p in prompts]
+    assert scheduler.stats().requests_failed == 1
+
+
+def test_a_request_whose_sink_raises_is_cancelled_alone(target, draft, alone):
+    scheduler = Scheduler(target, draft, num_draft_tokens=3)
+    prompts = [make_prompt(85 + i, 6) for i in range(3)]
+    with lease(target):
+        victims = scheduler.submit_many(prompts, [{"max_new_tokens": 40}] * 3)
+        culprit = scheduler.submit(make_prompt(91, 6), max_new_tokens=40)
+
+        def closed_loop(event):  # what call_soon_threadsafe raises once its caller's event loop is closed
+            raise RuntimeError("Event loop is closed")
+
+        culprit._request.sink = closed_loop
+    assert [h.result(timeout=60).token_ids for h in victims] == [alone(p, max_new_tokens=40).token_ids for p in prompts]
+    deadline = time.time() + 10
+    while scheduler.stats().requests_cancelled < 1 and time.time() < deadline:
+        time.sleep(0.01)
+    assert scheduler.stats().requests_cancelled == 1 and scheduler.stats().running == 0
+
+
 def test_load_aware_k_drafts_when_it_pays_and_stops_when_the_batch_is_full():
     policy = LoadAwareK(8, list(range(1, 9)))
     for _ in range(50):

@@ -168,7 +168,7 @@ def test_16_concurrent_streams_through_4_rows_each_equal_the_request_alone(serve
         ({"model": "gpt-4"}, "model 'gpt-4' is not served here; this server serves 'tiny'"),
         ({"prompt": "word " * 200}, "but the engine holds 128 positions"),
         ({"max_tokens": "many"}, "max_tokens"),
-        ({"temperature": -1}, "temperature must be a finite number >= 0"),
+        ({"temperature": -1}, "temperature: Input should be greater than or equal to 0"),
         ({"prompt": ["a", "b"]}, "2 prompts in one request"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "at most 4 stop sequences"),
     ],
@@ -204,15 +204,19 @@ def test_a_full_queue_answers_429_with_retry_after(target):
     scheduler = Scheduler(target, max_batch=1)
     with Server(create_app(scheduler, model_name="tiny", max_queue=1)) as s:
         body = {"model": "tiny", "prompt": "hi", "max_tokens": 3, "temperature": 0}
-        with lease(target):  # the scheduler cannot start a round: the first request stays queued
-            first = threading.Thread(target=lambda: httpx.post(s.url + "/v1/completions", json=body, timeout=60))
-            first.start()
-            while scheduler.waiting < 1:
-                time.sleep(0.01)
+        with lease(target):  # the scheduler cannot start a round: the requests stay queued
+            # the first would take the free row at the next round, the second waits beyond it: the queue is full
+            queued = [threading.Thread(target=lambda: httpx.post(s.url + "/v1/completions", json=body, timeout=60))
+                      for _ in range(2)]
+            for i, t in enumerate(queued):
+                t.start()
+                while scheduler.waiting < i + 1:
+                    time.sleep(0.01)
             r = httpx.post(s.url + "/v1/completions", json=body, timeout=30)
             assert r.status_code == 429 and r.headers["retry-after"] == "1"
             assert r.json()["error"]["type"] == "rate_limit_error"
-        first.join(60)
+        for t in queued:
+            t.join(60)
 
 
 def test_an_engine_failure_is_a_500_for_the_requests_in_flight_only(target, alone):

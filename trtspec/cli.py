@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
+from pathlib import Path
 
 
 def _positive_int(text: str) -> int:
@@ -147,6 +149,9 @@ def _add_build(sub):
 
 
 K_POLICIES = ("load-aware", "fixed")  # the scheduler's (runtime/scheduler.py), without importing it here
+# the server's defaults (server/app.py, server/run.py), without importing FastAPI here
+MAX_QUEUE, MAX_BODY_BYTES, HEADER_TIMEOUT = 256, 4 << 20, 10.0
+API_KEY_ENV = "TRTSPEC_API_KEY"  # as vLLM's VLLM_API_KEY and llama-server's LLAMA_API_KEY
 
 
 def _add_engine_arguments(p) -> None:
@@ -281,8 +286,6 @@ def _add_bench(sub):
     p.add_argument("-o", "--output", default="benchmarks/results", help="where bench.json, bench.md, bench.png go")
 
     def run(args):
-        from pathlib import Path
-
         from .bench import load_prompts, run_bench, source_model_dir, write_outputs
 
         prompts = load_prompts(args.prompts)[: args.num_prompts]
@@ -306,7 +309,11 @@ def _add_serve(sub):
     p = sub.add_parser("serve", help="serve the engines over OpenAI's HTTP API (completions, chat, streaming)")
     _add_engine_arguments(p)
     p.add_argument("--max-batch", type=_positive_int, help="engine rows to use (default: all the engines have)")
-    p.add_argument("--max-queue", type=_positive_int, help="waiting requests beyond which new ones get 429")
+    p.add_argument("--max-queue", type=_positive_int, default=MAX_QUEUE,
+                   help=f"requests that may wait beyond the free rows; more get 429 with Retry-After (default "
+                        f"{MAX_QUEUE})")
+    p.add_argument("--max-body-bytes", type=_positive_int, default=MAX_BODY_BYTES,
+                   help=f"largest request body read; larger ones get 413 (default {MAX_BODY_BYTES}, 4 MiB)")
     p.add_argument("--prefill-chunk", type=_positive_int, default=128,
                    help="prompt tokens read per round (the first waiting prompt's part, then whole prompts that fit)")
     p.add_argument("--prefix-cache-mb", type=float, default=256.0, help="KV kept for prefix reuse (0: off)")
@@ -314,9 +321,23 @@ def _add_serve(sub):
                    help="text whose KV is computed at start and pinned for reuse (e.g. a shared system prompt)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (default: no key)")
+    keys = p.add_mutually_exclusive_group()
+    keys.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health (default: "
+                                        f"${API_KEY_ENV} if set, else no key); visible in `ps`: prefer the "
+                                        "variable or --api-key-file")
+    keys.add_argument("--api-key-file", help="read the API key from this file: one key a line, any one accepted, "
+                                             "lines starting with # ignored (as llama-server's --api-key-file)")
+    p.add_argument("--metrics-public", action="store_true", help="serve /metrics without the API key")
+    p.add_argument("--parse-special-tokens", action="store_true",
+                   help="completions prompts may spell special tokens ('</s>' becomes the EOS token); by default "
+                        "they are text, as chat message content always is")
+    p.add_argument("--header-timeout", type=float, default=HEADER_TIMEOUT,
+                   help=f"seconds a connection may take to send a request's headers before it is closed (default "
+                        f"{HEADER_TIMEOUT:.0f}; not with --ray)")
     p.add_argument("--served-model-name", help="the model name clients send (default: the target directory's name)")
-    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish requests on SIGTERM")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds requests in flight get on SIGTERM while new ones get 503; then those still "
+                        "running end with an error event (default 30; not with --ray: Ray Serve drains itself)")
     p.add_argument("--log-prompts", action="store_true", help="log prompt text with each request (off by default)")
     ray = p.add_argument_group("Ray Serve (pip install 'trtspec[ray]')")
     ray.add_argument("--ray", action="store_true",
@@ -338,8 +359,6 @@ def _add_serve(sub):
     def run(args):
         if args.ray:
             return _serve_ray(args)
-        from pathlib import Path
-
         from .runtime import Scheduler
         from .server import create_app
         from .server.run import serve
@@ -353,13 +372,32 @@ def _add_serve(sub):
         for text in args.system_prompt:
             print(f"trtspec serve: cached a prefix of {scheduler.register_prefix(text)} tokens", file=sys.stderr)
         name = args.served_model_name or Path(args.target).resolve().name
-        app = create_app(scheduler, model_name=name, api_key=args.api_key, max_queue=args.max_queue,
-                         log_prompts=args.log_prompts)
+        app = create_app(scheduler, model_name=name, api_key=api_keys_of(args), max_queue=args.max_queue,
+                         max_body_bytes=args.max_body_bytes, metrics_public=args.metrics_public,
+                         parse_special_tokens=args.parse_special_tokens, log_prompts=args.log_prompts)
         print(f"trtspec serve: {name} on http://{args.host}:{args.port}/v1 (max batch {scheduler.max_batch}, "
               f"capacity {scheduler.capacity} tokens)", file=sys.stderr, flush=True)
-        serve(app, host=args.host, port=args.port, drain_timeout=args.drain_timeout)
+        serve(app, host=args.host, port=args.port, drain_timeout=args.drain_timeout,
+              header_timeout=args.header_timeout)
 
     p.set_defaults(run=run)
+
+
+def api_keys_of(args) -> list[str] | None:
+    """The API keys `serve` requires: --api-key, the keys of --api-key-file, else $TRTSPEC_API_KEY; None: no key."""
+    if args.api_key is not None:
+        return [args.api_key]
+    if args.api_key_file is not None:
+        try:
+            lines = Path(args.api_key_file).read_text().splitlines()
+        except OSError as exc:
+            raise SystemExit(f"trtspec serve: cannot read --api-key-file: {exc}") from None
+        keys = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+        if not keys:
+            raise SystemExit(f"trtspec serve: no API key in {args.api_key_file} (one key a line; # starts a comment)")
+        return keys
+    key = os.environ.get(API_KEY_ENV, "").strip()
+    return [key] if key else None
 
 
 def _serve_ray(args):
@@ -373,8 +411,9 @@ def _serve_ray(args):
                   prefix_cache_mb=args.prefix_cache_mb, num_threads=args.threads or 1, router=args.router,
                   tree_width=args.tree_width, tree_nodes=args.tree_nodes,
                   max_queue=args.max_queue, gpus_per_replica=args.gpus_per_replica,
-                  system_prompts=args.system_prompt, model_name=args.served_model_name, api_key=args.api_key,
-                  log_prompts=args.log_prompts, replicas=args.replicas)
+                  system_prompts=args.system_prompt, model_name=args.served_model_name, api_key=api_keys_of(args),
+                  log_prompts=args.log_prompts, replicas=args.replicas, max_body_bytes=args.max_body_bytes,
+                  metrics_public=args.metrics_public, parse_special_tokens=args.parse_special_tokens)
     if args.autoscale:
         try:
             low, high = (int(x) for x in args.autoscale.split(":"))

@@ -124,6 +124,11 @@ class RequestOutput:
         self._pieces += 1
         return Piece.of(text, entries, self.prompt_logprobs if self._pieces == 1 else None)
 
+    @property
+    def cut_by_stop_string(self) -> bool:
+        """The output ended at a stop string (not at an EOS or the limit)."""
+        return self._cut is not None
+
     def unsent_logprobs(self) -> bool:
         return self.logprobs is not None and self._lp_sent < len(self.logprobs)
 

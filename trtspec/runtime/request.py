@@ -13,7 +13,28 @@ from .output import Piece
 
 
 class RequestFailedError(RuntimeError):
-    """An engine call failed while this request was running (other requests are not affected)."""
+    """This request failed while it ran: an engine call failed (then the round's other requests fail too), or its
+    own processing did (then it fails alone). A server answers 500: the fault is the server's."""
+
+    status = 500
+
+
+class RowFault(Exception):
+    """Raised out of a batched step (a drafter's proposals) by one request's own processing — its grammar, logits
+    processing or sampling (speculative.RowSampler tags what its methods raise): the scheduler fails that request
+    alone and the round goes on for the others. ``owner``: the RowSampler it came from."""
+
+    def __init__(self, owner, cause: BaseException):
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.owner = owner
+        self.cause = cause
+
+
+class InvalidRequestError(RequestFailedError):
+    """This request cannot be honoured, which showed only while it ran (its grammar failed or reached a dead end);
+    it fails alone, and a server answers 400 with the message, which names the problem."""
+
+    status = 400
 
 
 @dataclass
@@ -158,7 +179,7 @@ class Request:
     __slots__ = ("id", "seq", "prompt_ids", "max_new_tokens", "stop", "include_stop", "k", "priority", "sampler",
                  "sink", "submitted", "admitted", "last_emit", "cancelled", "prefix_only", "stats", "output",
                  "finish_reason", "streaming", "prompt_logprobs", "prompt_entries", "leader", "shared_prefix",
-                 "prompt_read")
+                 "prompt_read", "error")
 
     def __init__(self, seq, prompt_ids, max_new_tokens, stop, include_stop, k, priority, sampler, sink,
                  prefix_only=False):
@@ -188,6 +209,7 @@ class Request:
         self.leader = None
         self.shared_prefix = None
         self.prompt_read = False
+        self.error = None  # what failed it alone (finish_reason "error"; the scheduler's _fault)
 
 
 class RequestHandle:
@@ -271,10 +293,11 @@ class AsyncRequestHandle:
                 events = [await self._queue.get()]
                 while not self._queue.empty():
                     events.append(self._queue.get_nowait())
+                error = next((v for k, v in events if k == "error"), None)
+                if error is not None:  # (fail() may put one in front of the scheduler's own last events)
+                    raise error
                 text = Piece.join([v for k, v in events if k == "delta"])
                 kind, value = events[-1]
-                if kind == "error":
-                    raise value
                 if kind == "done":
                     self.result = value
                 if text:
@@ -287,3 +310,9 @@ class AsyncRequestHandle:
 
     def cancel(self):
         self._scheduler._cancel(self._request)
+
+    def fail(self, error: BaseException):
+        """End this handle with ``error`` (its consumer raises it at once) and cancel the request: a server that
+        stops waiting for it (its drain timed out) says why to whoever reads the handle."""
+        self._queue.put_nowait(("error", error))
+        self.cancel()

@@ -23,13 +23,20 @@ A lone decoding row (nobody else running, nobody waiting who could get a row) re
 the admission and retirement around them; a lone greedy row that drafts nothing decodes in the engine's own
 loop (engines.base.greedy_steps). Both are the round's own code with a loop around it, not a second copy.
 Everything a caller can get wrong is checked in the caller's thread before the request is queued.
+
+Isolation: what one request's own processing raises inside a round — its grammar (which fails or dead-ends only
+while decoding), logits processing, sampling, its sink — fails that request alone (``_fault``): per-row steps
+are guarded, and a batched drafter step that a row's sampler fails (request.RowFault) loses only this round's
+drafts for the others (drafts never change an output). Only an engine's failure fails the round's requests.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
+import re
 import threading
 import time
 from collections import deque
@@ -47,9 +54,11 @@ from .prefix_cache import PrefixCache
 from .request import (
     AsyncRequestHandle,
     GenerationResult,
+    InvalidRequestError,
     Request,
     RequestFailedError,
     RequestHandle,
+    RowFault,
     SchedulerStats,
 )
 from .sampling import SamplingParams, log_probs, logprob_entry
@@ -63,6 +72,9 @@ from .vocab import check_same_vocabulary
 DRAFTERS = ("draft", "eagle3", "medusa", "prompt_lookup", "suffix", "none")
 HEADS = ("eagle3", "medusa")  # drafters whose draft is a head on the target's features (draft=PATH of the head)
 K_POLICIES = ("load-aware", "fixed")
+_TOKEN_ID = re.compile(r"0|[1-9][0-9]*")  # a logit_bias key as JSON carries a token id: canonical decimal, ASCII
+
+log = logging.getLogger("trtspec.scheduler")
 
 
 def _as_engine(engine_or_path, num_threads):
@@ -300,14 +312,16 @@ class Scheduler:
         return request
 
     def _logit_bias(self, logit_bias) -> tuple:
-        # {token id (an int, or its decimal string as JSON sends it): bias} -> ((id, bias), ...), ids checked
+        # {token id (an int, or its decimal string as JSON sends it): bias} -> ((id, bias), ...), ids checked.
+        # A string key must be the id's canonical decimal (as OpenAI requires): " 5", "05", "+5" or "٥" (an
+        # Arabic-Indic five, which int() takes) must not quietly name token 5
         if logit_bias is None:
             return ()
         if not isinstance(logit_bias, dict):
             raise ValueError(f"logit_bias must be a mapping of token ids to biases, got {type(logit_bias).__name__}")
         pairs = []
         for key, bias in logit_bias.items():
-            token = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+            token = int(key) if isinstance(key, str) and _TOKEN_ID.fullmatch(key) else key
             if not isinstance(token, (int, np.integer)) or isinstance(token, bool) or not 0 <= token < self.target.vocab_size:
                 raise ValueError(f"logit_bias key {key!r} is not a token id of this model (0..{self.target.vocab_size - 1})")
             pairs.append((int(token), bias))
@@ -396,6 +410,19 @@ class Scheduler:
         self._enqueue([request])
         return handle
 
+    async def asubmit(self, prompt, n: int = 1, **params) -> list[AsyncRequestHandle]:
+        """``submit_async`` (n = 1) or ``submit_async_n`` for a server: the request is validated — a grammar compiled
+        and probed, which a hostile schema can make slow — in a worker thread, so the event loop never waits on it;
+        then it is queued from the loop."""
+        loop = asyncio.get_running_loop()
+        if n == 1:
+            requests = [await asyncio.to_thread(self.make_request, prompt, **params)]
+        else:
+            requests = await asyncio.to_thread(self._group, prompt, n, dict(params))
+        handles = [self._async_handle(r, loop) for r in requests]
+        self._enqueue(requests)
+        return handles
+
     def _async_handle(self, request, loop) -> AsyncRequestHandle:
         handle = AsyncRequestHandle(self, request)
         request.sink = lambda event: loop.call_soon_threadsafe(handle._queue.put_nowait, event)
@@ -417,6 +444,12 @@ class Scheduler:
     def waiting(self) -> int:
         """Requests queued and not yet in an engine row."""
         return len(self._waiting)
+
+    def backlog(self, arriving: int = 0) -> int:
+        """Requests that wait for a row beyond those the free rows take at the next admission, counting
+        ``arriving`` more as queued (a server's requests still being validated): what a queue limit bounds."""
+        with self._cv:
+            return max(0, len(self._waiting) + arriving - (self.max_batch - len(self._rows)))
 
     def _enqueue(self, requests):
         with self._cv:
@@ -508,7 +541,40 @@ class Scheduler:
             r.finish_reason = "error"
             error = RequestFailedError(f"request {r.id} failed: the engine raised {type(exc).__name__}: {exc}")
             error.__cause__ = exc
-            r.sink(("error", error))
+            self._deliver(r, ("error", error))
+
+    def _fault(self, r, exc):
+        """Request r's own processing failed with ``exc`` during a round: r alone ends (retired with the round's
+        finished rows), with an InvalidRequestError as it came (a request that cannot be honoured: its grammar),
+        or a RequestFailedError naming the cause (a server fault, logged with its traceback)."""
+        if r.finish_reason == "error":
+            return
+        cause = exc.cause if isinstance(exc, RowFault) else exc
+        if isinstance(cause, RequestFailedError):
+            error = cause
+        else:
+            log.error("request %s failed alone: its own processing raised %s", r.id, type(cause).__name__,
+                      exc_info=cause)
+            error = RequestFailedError(f"request {r.id} failed: its processing raised {type(cause).__name__}: {cause}")
+            error.__cause__ = cause
+        r.finish_reason = "error"
+        r.error = error
+
+    def _fault_owner(self, rows, fault: RowFault):
+        """A batched step failed in one row's sampler: fail that row (the step's other rows are not at fault)."""
+        owner = next((r for r in rows if r.sampler is fault.owner), None)
+        if owner is None:
+            raise fault
+        self._fault(owner, fault)
+
+    def _deliver(self, r, event):
+        """Hand ``event`` to r's sink. A sink that raises (its caller's event loop is gone) must not take the round
+        down with it: nobody can read r any more, so r is cancelled."""
+        try:
+            r.sink(event)
+        except Exception:  # noqa: BLE001 - the caller's failure, not the round's
+            log.warning("request %s: its sink raised; cancelling it", r.id, exc_info=True)
+            r.cancelled = True
 
     def _admit(self):
         now = time.perf_counter()
@@ -644,7 +710,12 @@ class Scheduler:
         forced = self._forced(rows, caps)  # rows whose grammar forces the next tokens: drafts after them, if any
         if k:
             ahead = self._ahead(rows, forced, caps)
-            proposal = self.drafter.propose(self._tokens[:b], ahead, caps, [r.sampler for r in rows], self.capacity)
+            try:
+                proposal = self.drafter.propose(self._tokens[:b], ahead, caps, [r.sampler for r in rows],
+                                                self.capacity)
+            except RowFault as fault:  # one row's processing failed mid-step: that row ends, the others verify
+                self._fault_owner(rows, fault)  # without drafts this round (their output is the same)
+                proposal = Proposal.empty(b)
         else:
             proposal = Proposal.empty(b)
         if forced is not None:
@@ -683,12 +754,18 @@ class Scheduler:
         emitted = stats.generated_tokens
         for s, r in enumerate(rows):
             r.stats.target_calls += 1
+            if r.finish_reason == "error":  # failed earlier this round (in the drafter's step)
+                continue
             m = int(counts[s])
             q = None if proposal.probs is None or (forced and s in forced and m == len(forced[s])) else proposal.probs[s, :m]
-            a, x = r.sampler.verify(drafts[s, :m], q, logits[s, : m + 1], int(n[s]))
-            self._record_verdict(r, a, m, 1, *self._forced_counts(proposal, s, m, range(a)))
             n_before = int(n[s])
-            self._emit(s, r, [*drafts[s, :a].tolist(), x])
+            try:
+                a, x = r.sampler.verify(drafts[s, :m], q, logits[s, : m + 1], n_before)
+                self._record_verdict(r, a, m, 1, *self._forced_counts(proposal, s, m, range(a)))
+                self._emit(s, r, [*drafts[s, :a].tolist(), x])
+            except Exception as exc:  # noqa: BLE001 - this request's own failure: it alone ends
+                self._fault(r, exc)
+                continue
             valid[s] = min(n_before + a, int(n[s]))  # the cache holds the verified tokens, not the last one
             tc[s] = valid[s]
         if self._observe is not None:  # the features of the root and the accepted drafts
@@ -762,15 +839,28 @@ class Scheduler:
         emitted = stats.generated_tokens
         for s, r in enumerate(rows):
             r.stats.target_calls += 1
-            m = int(counts[s])
-            path, x = r.sampler.verify_tree(drafts[s, :m], parents[s, :m], logits[s, : m + 1], int(n[s]))
-            a = len(path)
-            deepest = int(depth[s, : m + 1].max())  # the most this tree could have given
-            self._record_verdict(r, a, deepest, self._width, *self._forced_counts(proposal, s, m, path))
             n_before = int(n[s])
+            if r.finish_reason == "error":  # failed earlier this round (in the drafter's step)
+                if features is not None:
+                    observed.append(features[s, :1])
+                continue
+            m = int(counts[s])
+            try:
+                path, x = r.sampler.verify_tree(drafts[s, :m], parents[s, :m], logits[s, : m + 1], n_before)
+                a = len(path)
+                deepest = int(depth[s, : m + 1].max())  # the most this tree could have given
+                self._record_verdict(r, a, deepest, self._width, *self._forced_counts(proposal, s, m, path))
+            except Exception as exc:  # noqa: BLE001 - this request's own failure: it alone ends
+                self._fault(r, exc)
+                if features is not None:
+                    observed.append(features[s, :1])
+                continue
             if path != list(range(a)):  # the accepted nodes' K/V to the slots their positions give
                 self.target.keep_path(s, n_before - 1, [0, *[j + 1 for j in path]])
-            self._emit(s, r, [*drafts[s, path].tolist(), x])
+            try:
+                self._emit(s, r, [*drafts[s, path].tolist(), x])
+            except Exception as exc:  # noqa: BLE001 - this request's own failure: it alone ends
+                self._fault(r, exc)
             valid[s] = min(n_before + a, int(n[s]))
             tc[s] = valid[s]
             if features is not None:
@@ -958,8 +1048,12 @@ class Scheduler:
             if r.prefix_only:
                 r.finish_reason = "stop"
                 continue
-            tok = r.sampler.choose(logits[i, chunk[i] - 1], int(self._n[s]))
-            self._emit(s, r, [tok])
+            try:
+                tok = r.sampler.choose(logits[i, chunk[i] - 1], int(self._n[s]))
+                self._emit(s, r, [tok])
+            except Exception as exc:  # noqa: BLE001 - this request's own failure: it alone ends
+                self._fault(r, exc)
+                continue
             r.stats.time_to_first_token_s = r.last_emit - r.submitted
         # the draft reads the same chunks after the first tokens went out: they need only the target
         self.drafter.prefill(ids, pos, first, chunk)
@@ -994,8 +1088,8 @@ class Scheduler:
                 out.logprobs.extend(sampler.take_logprobs(taken))
             if sampler.processor is not None:
                 sampler.processor.commit(new[:taken])
-                if out.finish_reason is None and sampler.processor.finished:
-                    out.extend([min(self.eos_ids)])  # the grammar is complete: nothing but EOS may follow
+                if sampler.processor.constraint is not None:
+                    self._check_grammar(r, sampler.processor.constraint, out)
         n = int(self._n[s])
         self._tokens[s, n : n + taken] = new[:taken]
         self._n[s] = n + taken
@@ -1010,10 +1104,28 @@ class Scheduler:
         if r.streaming:
             delta = out.delta()
             if delta:
-                r.sink(("delta", out.piece(delta)))
+                self._deliver(r, ("delta", out.piece(delta)))
+
+    def _check_grammar(self, r, constraint, out):
+        """After r's grammar took its new tokens: EOS once the document is complete; InvalidRequestError (raised,
+        r alone ends with it: a 400) when the grammar failed or the output ended (at an EOS) short of a complete
+        document. So a structured output that ends "stop" always parses; a stop string or the token limit
+        ("length") may still cut it short, as at OpenAI."""
+        if constraint.error is not None:
+            raise InvalidRequestError(f"response_format cannot be honoured: {constraint.error} (after "
+                                      f"{len(out.token_ids)} generated tokens); simplify the schema or grammar")
+        if out.finish_reason is None and constraint.finished:
+            out.extend([min(self.eos_ids)])  # the grammar is complete: nothing but EOS may follow
+        elif out.finish_reason == "stop" and not out.cut_by_stop_string and not constraint.accepting:
+            raise InvalidRequestError("response_format cannot be honoured: the output ended before its document "
+                                      "was complete; simplify the schema or grammar")
 
     def _finish(self, r, output):
         r.stats.elapsed_s = time.perf_counter() - r.submitted
+        if r.finish_reason == "error":  # its own failure (_fault): only the error goes out
+            self._stats.requests_failed += 1
+            self._deliver(r, ("error", r.error))
+            return
         if r.finish_reason == "cancelled":
             self._stats.requests_cancelled += 1
         else:
@@ -1025,11 +1137,11 @@ class Scheduler:
             if r.streaming:  # what a stream has not had yet: a held-back partial stop string, a cancelled row's rest
                 delta = output.delta()
                 if delta or output.unsent_logprobs():
-                    r.sink(("delta", output.piece(delta)))
+                    self._deliver(r, ("delta", output.piece(delta)))
             prompt_entries = r.prompt_entries if r.leader is None else r.leader.prompt_entries
             result = GenerationResult(output.text, list(output.token_ids), r.finish_reason, r.stats,
                                       logprobs=output.logprobs, prompt_logprobs=prompt_entries)
-        r.sink(("done", result))
+        self._deliver(r, ("done", result))
 
     def _retire(self):
         """Finished rows leave: their KV slots go to the prefix cache; the rows after them close the gap."""
@@ -1039,7 +1151,7 @@ class Scheduler:
             if r.finish_reason is None:
                 s += 1
                 continue
-            if self.prefix_cache is not None and r.finish_reason != "cancelled":
+            if self.prefix_cache is not None and r.finish_reason not in ("cancelled", "error"):
                 keep = min(int(self._tc[s]), int(self._n[s]))
                 if keep >= self.prefix_cache.min_tokens:
                     t_block = self.target.save_prefix(s, keep)

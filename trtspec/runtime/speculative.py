@@ -3,8 +3,11 @@ request's RowSampler, which applies them with the request's own parameters and r
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
+from .request import RowFault
 from .sampling import SamplingParams, log_probs, logprob_entry, sample
 
 
@@ -52,6 +55,22 @@ def accept_sampling(
 
 
 SPECULATIVE_SAMPLING = ("coupled", "rejection")
+
+
+def _owned(method):
+    """A RowSampler method whose failure is its request's own: re-raised as a RowFault naming the sampler, so the
+    scheduler can tell which row of a batched step (a drafter's, whose loop calls every row's sampler) failed."""
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except RowFault:
+            raise
+        except Exception as exc:  # noqa: BLE001 - handed to the scheduler with its owner
+            raise RowFault(self, exc) from exc
+
+    return call
 
 
 def gumbel(rng: np.random.Generator, size: int) -> np.ndarray:
@@ -156,6 +175,7 @@ class RowSampler:
         taken, self._logprobs = self._logprobs[:n], []
         return taken
 
+    @_owned
     def choose(self, logits: np.ndarray, position: int) -> int:
         """The token at sequence ``position`` from the distribution these logits give."""
         # logits [V]
@@ -163,6 +183,7 @@ class RowSampler:
         self._record(x, token)
         return token
 
+    @_owned
     def propose(self, logits: np.ndarray, position: int) -> tuple[int, np.ndarray | None]:
         """A draft token for ``position`` and, for rejection sampling, the draft distribution q it came from.
         -1: the draft has no token the request allows here (a head's reduced vocabulary under a grammar), so the
@@ -182,6 +203,7 @@ class RowSampler:
             self.processor.push(token)  # the next position is processed after it
         return token, q
 
+    @_owned
     def propose_branches(self, logits: np.ndarray, position: int, width: int) -> tuple[int, float, list]:
         """A draft token for ``position`` (as ``propose`` picks it) with its log-probability under the draft, and
         the ``width - 1`` likeliest other tokens with theirs: the siblings a draft tree adds beside it.
@@ -205,6 +227,7 @@ class RowSampler:
             self.processor.push(token)
         return token, float(lp[token]), others
 
+    @_owned
     def verify(self, drafts: np.ndarray, draft_probs, target_logits: np.ndarray, position: int) -> tuple[int, int]:
         """How many drafts the target accepts, and its own token after them (DESIGN.md §4)."""
         # drafts [m], draft_probs [m, V] or None, target_logits [m + 1, V]; drafts[0] is at ``position``
@@ -248,6 +271,7 @@ class RowSampler:
         return a, token
 
 
+    @_owned
     def verify_tree(self, drafts: np.ndarray, parents: np.ndarray, target_logits: np.ndarray,
                     position: int) -> tuple[list[int], int]:
         """The longest path of a draft tree the target accepts, and its own token after it.

@@ -1,51 +1,120 @@
 """The OpenAI-compatible HTTP front: a thin FastAPI app over a Scheduler (runtime/scheduler.py).
 
-Handlers translate a request into scheduler parameters and scheduler output into OpenAI's
-objects and stream chunks; they hold no generation logic. ``create_app`` is the factory that
-``trtspec serve``, the tests and any other ASGI server (Ray Serve) use.
+Handlers translate a request into scheduler parameters and scheduler output into OpenAI's objects and stream
+chunks; they hold no generation logic. ``create_app`` is the factory that ``trtspec serve``, the tests and any
+other ASGI server (Ray Serve) use.
+
+Hostile clients (issue 43): every route but /health (and /metrics with ``metrics_public``) needs the API key
+when one is set; a body is read at most ``max_body_bytes`` (413 beyond); tokenizing, rendering a chat template
+and compiling a grammar run in worker threads, after a length check (server/prompts.py), so the event loop
+keeps answering; at most ``max_queue`` requests wait beyond the free rows (429); a request that fails alone
+(its grammar, say) gets its own status while the others run on; a client that leaves is a 499.
+
+A stream ends with ``data: [DONE]`` exactly when it completed. One that fails, or that a drain stops at its
+timeout, ends with an error event (``data: {"error": {...}}``, OpenAI's schema) and closes without
+``[DONE]``; the official client raises ``openai.APIError`` on it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
 import uuid
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import CapacityError
 from ..runtime.request import RequestFailedError
 from ..runtime.tokenizer import token_bytes
 from .metrics import Metrics
-from .protocol import APIError, ChatCompletionRequest, CompletionRequest, response_format_of, unsupported
+from .prompts import PromptEncoder
+from .protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    failed,
+    queue_full,
+    response_format_of,
+    too_large,
+    unauthorized,
+    unavailable,
+    unsupported,
+)
 
 log = logging.getLogger("trtspec.server")
 
+MAX_QUEUE = 256  # requests waiting beyond the free rows before new ones get 429 (trtspec serve --max-queue)
+MAX_BODY_BYTES = 4 << 20  # the largest request body read (trtspec serve --max-body-bytes): 413 beyond
+# an oversized body is read this far more, and dropped, before the 413 goes out: an HTTP client reads the answer
+# only once it has sent its body, and would see a reset connection instead
+_DISCARD_BYTES = 64 << 20
+
+
+class ShuttingDownError(RequestFailedError):
+    """The server stopped this request before it finished (a drain that timed out): a 503, retry elsewhere."""
+
+    status = 503
+
 
 class _State:
+    """What the app knows beside the scheduler: loading/draining, and the requests in flight (for the drain)."""
+
     def __init__(self):
         self.ready = False
         self.draining = False
+        self.arriving = 0  # requests tokenized and validated right now: counted as waiting (max_queue)
+        self.prompts: PromptEncoder | None = None  # made at startup: a remote scheduler's tokenizer comes with connect
+        self.active: dict[str, list] = {}  # response id -> its handles, while it runs
+
+    async def drain(self, timeout: float) -> None:
+        """Refuse new generations (503 with Retry-After; the listener stays open) and give those in flight up to
+        ``timeout`` seconds; then end the rest: a stream gets an error event and closes without ``[DONE]``, a
+        client waiting for a whole response gets a 503. Returns once nothing is in flight (run.serve then stops)."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.active and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if not self.active:
+            return
+        log.warning("drain: %d requests still running after %.1f s; ending them", len(self.active), timeout)
+        error = ShuttingDownError("the server is shutting down and stopped this request before it finished; retry it")
+        for handles in list(self.active.values()):
+            for handle in handles:
+                handle.fail(error)
+        deadline = loop.time() + 5.0  # their responses go out (error events, 503s) before the server stops
+        while self.active and loop.time() < deadline:
+            await asyncio.sleep(0.02)
 
 
-def create_app(scheduler, *, model_name: str, api_key: str | None = None, max_queue: int | None = None,
+def create_app(scheduler, *, model_name: str, api_key=None, max_queue: int = MAX_QUEUE,
+               max_body_bytes: int = MAX_BODY_BYTES, metrics_public: bool = False, parse_special_tokens: bool = False,
                log_prompts: bool = False, warmup: bool = True) -> FastAPI:
     """An ASGI app serving ``scheduler`` as OpenAI's /v1/completions and /v1/chat/completions.
 
-    ``scheduler``: a runtime Scheduler, or anything with its front (``encode``, ``submit_async``, ``capacity``,
-    ``tokenizer``...), e.g. ray_app.RemoteScheduler, whose engines live in other processes; an async
+    ``scheduler``: a runtime Scheduler, or anything with its front (``encode``, ``asubmit``, ``backlog``,
+    ``capacity``, ``tokenizer``...), e.g. ray_app.RemoteScheduler, whose engines live in other processes; an async
     ``connect()`` on it is awaited at startup.
 
-    ``max_queue``: waiting requests beyond which new ones get 429; ``api_key``: required bearer token.
-    ``app.state.trtspec.draining = True`` makes it refuse new generations with 503 (SIGTERM does it).
+    ``api_key``: a key, or several (any one is accepted), required as a bearer token on every route but /health
+    (and /metrics when ``metrics_public``). ``max_queue``: requests waiting beyond the free rows before new ones
+    get 429. ``max_body_bytes``: 413 beyond. ``parse_special_tokens``: completions prompts may spell special
+    tokens (chat content never does). ``app.state.trtspec.drain(timeout)`` drains (run.serve on SIGTERM).
     """
+    for name, value in (("max_queue", max_queue), ("max_body_bytes", max_body_bytes)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
+    if any(not isinstance(k, str) or not k.strip() for k in keys):
+        raise ValueError("an API key must be a non-empty string")
+    bearers = [f"Bearer {k}".encode() for k in keys]
     state = _State()
     metrics = Metrics(getattr(scheduler, "stats", None))
 
@@ -54,6 +123,8 @@ def create_app(scheduler, *, model_name: str, api_key: str | None = None, max_qu
         connect = getattr(scheduler, "connect", None)
         if connect is not None:
             await connect()
+        state.prompts = await asyncio.to_thread(PromptEncoder, scheduler.tokenizer, scheduler.capacity,
+                                                parse_special_tokens)
         if warmup:  # the widest call, then one short generation: first-call costs paid before /health says ok
             if hasattr(scheduler, "warm_up"):
                 await asyncio.to_thread(scheduler.warm_up)
@@ -94,33 +165,39 @@ def create_app(scheduler, *, model_name: str, api_key: str | None = None, max_qu
                 problems.append(f"{where or 'body'}: {e.get('msg')}")
         return JSONResponse(APIError(400, "; ".join(problems) or "invalid request").body, status_code=400)
 
-    def refusal(scope) -> JSONResponse | None:
-        """401 without the API key, 503 for a generation while loading or draining; None lets the request in."""
-        if not scope["path"].startswith("/v1/"):
-            return None
-        if api_key is not None and Headers(scope=scope).get("authorization") != f"Bearer {api_key}":
-            err = APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                           type="authentication_error", code="invalid_api_key")
-            return JSONResponse(err.body, status_code=401)
-        if scope["method"] == "POST" and (state.draining or not state.ready):
-            why = "the server is shutting down" if state.draining else "the server is still loading its engines"
-            err = APIError(503, f"{why}; retry on another replica or later", type="service_unavailable")
-            return JSONResponse(err.body, status_code=503, headers={"Retry-After": "1"})
+    def refusal(scope) -> APIError | None:
+        """401 without the API key (on every route but /health, and /metrics when public), 503 for a generation
+        while loading or draining; None lets the request in."""
+        path = scope["path"]
+        if bearers and path != "/health" and not (metrics_public and path == "/metrics"):
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not any([hmac.compare_digest(given, b) for b in bearers]):  # (constant time, every key compared)
+                return unauthorized()
+        if path.startswith("/v1/") and scope["method"] == "POST" and (state.draining or not state.ready):
+            return unavailable("the server is shutting down" if state.draining else
+                               "the server is still loading its engines")
         return None
 
     class Guard:
-        """The refusals above as a plain ASGI middleware: a stream's chunks pass straight through (starlette's
-        ``@app.middleware("http")`` relays every chunk through a task and a memory stream of its own)."""
+        """The refusals above, and the body limit, as a plain ASGI middleware: a stream's chunks pass straight
+        through (starlette's ``@app.middleware("http")`` relays every chunk through a task and a memory stream of
+        its own)."""
 
         def __init__(self, app):
             self.app = app
 
         async def __call__(self, scope, receive, send):
-            response = refusal(scope) if scope["type"] == "http" else None
-            if response is not None:
-                await response(scope, receive, send)
-            else:
-                await self.app(scope, receive, send)
+            if scope["type"] != "http":
+                return await self.app(scope, receive, send)
+            error = refusal(scope)
+            if error is None and scope["method"] in ("POST", "PUT", "PATCH"):
+                receive, error = await _bounded_body(scope, receive, max_body_bytes)
+                if receive is None:  # the client left while sending it
+                    return
+            if error is not None:
+                return await JSONResponse(error.body, status_code=error.status, headers=error.headers)(scope, receive,
+                                                                                                         send)
+            await self.app(scope, receive, send)
 
     app.add_middleware(Guard)
 
@@ -176,26 +253,48 @@ def create_app(scheduler, *, model_name: str, api_key: str | None = None, max_qu
             raise APIError(400, f"min_tokens={body.min_tokens} exceeds max_tokens={max_tokens}", param="min_tokens")
         return params
 
-    def encode(prompt):
+    def checked(ids, param) -> list[int]:
+        """Prompt ids checked against the vocabulary and the context, or the 400 that says why not."""
         try:
-            return scheduler.encode(prompt).tolist()
+            return scheduler.encode(ids).tolist()
         except CapacityError as exc:
-            raise APIError(400, f"{exc} (this server's limit: {scheduler.capacity} tokens)", param="prompt",
+            raise APIError(400, f"{exc} (this server's limit: {scheduler.capacity} tokens)", param=param,
                            code="context_length_exceeded") from None
         except (ValueError, TypeError) as exc:
-            raise APIError(400, str(exc), param="prompt") from None
+            raise APIError(400, str(exc), param=param) from None
 
-    def submit(ids, params, n) -> list:
-        if max_queue is not None and scheduler.waiting >= max_queue:
-            raise APIError(429, f"the queue is full ({scheduler.waiting} requests waiting); retry shortly",
-                           type="rate_limit_error", headers={"Retry-After": "1"})
+    def completion_ids(prompt) -> list[int]:  # (in a worker thread)
         try:
-            if n == 1:
-                return [scheduler.submit_async(ids, **params)]
-            if hasattr(scheduler, "submit_async_n"):  # the samples share the prompt's computation
-                return scheduler.submit_async_n(ids, n, **params)
-            seed = params.pop("seed")
-            return [scheduler.submit_async(ids, seed=None if seed is None else seed + i, **params) for i in range(n)]
+            ids = state.prompts.completion(prompt)
+        except CapacityError as exc:
+            raise APIError(400, str(exc), param="prompt", code="context_length_exceeded") from None
+        return checked(ids, "prompt")
+
+    def chat_ids(messages) -> list[int]:  # (in a worker thread)
+        try:
+            ids = state.prompts.chat(messages)
+        except CapacityError as exc:
+            raise APIError(400, str(exc), param="messages", code="context_length_exceeded") from None
+        except Exception as exc:  # noqa: BLE001 - a template that cannot render these messages is the request's fault
+            raise APIError(400, f"the chat template could not render these messages: {exc}", param="messages") from None
+        return checked(ids, "messages")
+
+    @contextmanager
+    def arriving():
+        """A request on its way to the queue (being tokenized and validated): refused with 429 if it would wait
+        beyond max_queue (those the free rows take next do not count), and counted as waiting until queued."""
+        backlog = scheduler.backlog(state.arriving)
+        if backlog >= max_queue:
+            raise queue_full(backlog)
+        state.arriving += 1
+        try:
+            yield
+        finally:
+            state.arriving -= 1
+
+    async def submit(ids, params, n) -> list:
+        try:
+            return await scheduler.asubmit(ids, n, **params)
         except (ValueError, TypeError) as exc:
             param = "response_format" if "response_format" in str(exc) else None
             raise APIError(400, str(exc), param=param) from None
@@ -210,48 +309,38 @@ def create_app(scheduler, *, model_name: str, api_key: str | None = None, max_qu
             prompt = prompt[0]
         if len(prompt) == 0:
             raise APIError(400, "the prompt is empty", param="prompt")
-        ids = encode(prompt)
-        params = params_of(body, body.max_tokens, ids)
+        with arriving():
+            ids = await asyncio.to_thread(completion_ids, prompt)
+            params = params_of(body, body.max_tokens, ids)
+            handles = await submit(ids, params, body.n or 1)
         echo = None
         if body.echo:  # the prompt's text leads each choice's text (and its tokens the logprobs)
             echo = prompt if isinstance(prompt, str) else scheduler.tokenizer.decode(ids, skip_special_tokens=True)
-        return await respond(request, "text_completion", body, ids, params, prompt if log_prompts else None, echo)
+        return await respond(request, "text_completion", body, ids, params, handles,
+                             prompt if log_prompts else None, echo)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
-        tok = scheduler.tokenizer
-        if not getattr(tok, "chat_template", None):
+        if not getattr(scheduler.tokenizer, "chat_template", None):
             raise APIError(400, f"model {model_name!r} has no chat template; use /v1/completions with a plain prompt",
                            param="messages")
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        try:
-            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-        except Exception as exc:  # noqa: BLE001 - a template error is the request's fault
-            raise APIError(400, f"the chat template could not render these messages: {exc}", param="messages") from None
-        ids = encode(list(ids["input_ids"] if isinstance(ids, dict) else ids))
-        params = params_of(body, body.max_completion_tokens or body.max_tokens, ids)
-        return await respond(request, "chat.completion", body, ids, params, messages if log_prompts else None)
+        with arriving():
+            ids = await asyncio.to_thread(chat_ids, messages)
+            params = params_of(body, body.max_completion_tokens or body.max_tokens, ids)
+            handles = await submit(ids, params, body.n or 1)
+        return await respond(request, "chat.completion", body, ids, params, handles,
+                             messages if log_prompts else None)
 
-    async def respond(request, kind, body, ids, params, logged_prompt, echo=None):
+    async def respond(request, kind, body, ids, params, handles, logged_prompt, echo=None):
         t0 = time.perf_counter()
-        n = body.n or 1
-        handles = submit(ids, params, n)
-        try:
-            for handle in handles:
-                await handle.start()  # a remote scheduler routes the request here (and may refuse it)
-        except (ValueError, TypeError) as exc:
-            _cancel_all(handles)
-            raise APIError(400, str(exc)) from None
-        except RequestFailedError as exc:
-            _cancel_all(handles)
-            metrics.request_done("chat" if kind == "chat.completion" else "completions", 500)
-            raise APIError(500, str(exc), type="server_error") from None
-        logprobs = LogprobsFormat(scheduler.tokenizer, kind, ids, echo) if params.get("logprobs") is not None else None
         rid = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex[:24]
-        created = int(time.time())
         endpoint = "chat" if kind == "chat.completion" else "completions"
+        state.active[rid] = handles
 
-        def finished(status, results=()):
+        def finished(status, results=()):  # counted and logged once, however the request ended
+            if state.active.pop(rid, None) is None:
+                return
             result = results[0] if results else None
             for r in results or (None,):
                 metrics.request_done(endpoint, status, r)
@@ -261,22 +350,52 @@ def create_app(scheduler, *, model_name: str, api_key: str | None = None, max_qu
                      result.finish_reason if result is not None else "-",
                      f" prompt={json.dumps(logged_prompt)}" if logged_prompt is not None else "")
 
+        try:
+            for handle in handles:
+                await handle.start()  # a remote scheduler routes the request here (and may refuse it)
+        except (ValueError, TypeError) as exc:
+            _cancel_all(handles)
+            finished(400)
+            raise APIError(400, str(exc)) from None
+        except RequestFailedError as exc:
+            _cancel_all(handles)
+            error = failed(exc)
+            finished(error.status)
+            raise error from None
+        except BaseException:
+            _cancel_all(handles)
+            finished(499)
+            raise
+        logprobs = LogprobsFormat(scheduler.tokenizer, kind, ids, echo) if params.get("logprobs") is not None else None
+        created = int(time.time())
+
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(stream(handles, rid, created, kind, include_usage, finished, logprobs, echo),
-                                     media_type="text/event-stream")
-        consume = asyncio.ensure_future(asyncio.gather(*(_drain(h) for h in handles)))
+
+            def settle():  # a client that left before the first chunk: its request never started streaming
+                if rid in state.active:
+                    _cancel_all(handles)
+                    finished(499)
+
+            return _EventStream(stream(handles, rid, created, kind, include_usage, finished, logprobs, echo), settle)
+        consume = asyncio.ensure_future(asyncio.gather(*(_consume(h) for h in handles)))
+        gone = False
         while not consume.done():  # a client that hangs up cancels its request
             await asyncio.wait({consume}, timeout=0.25)
             if not consume.done() and await request.is_disconnected():
+                gone = True
                 _cancel_all(handles)
         try:
             await consume
         except RequestFailedError as exc:
             _cancel_all(handles)
-            finished(500)
-            raise APIError(500, str(exc), type="server_error") from None
+            error = failed(exc)
+            finished(499 if gone else error.status)
+            raise error from None
         results = [h.result for h in handles]
+        if gone:  # nobody reads an answer: counted and logged as the client's leaving, never as a 200
+            finished(499, results)
+            return Response(status_code=499)
         finished(200, results)
         choices = []
         for i, result in enumerate(results):
@@ -329,10 +448,10 @@ def create_app(scheduler, *, model_name: str, api_key: str | None = None, max_qu
                 yield f"data: {json.dumps(payload)}\n\n"
             yield "data: [DONE]\n\n"
             status = 200
-        except RequestFailedError as exc:
-            status = 500
-            yield f"data: {json.dumps(APIError(500, str(exc), type='server_error').body)}\n\n"
-            yield "data: [DONE]\n\n"
+        except RequestFailedError as exc:  # an error event, and no [DONE]: the client can tell it did not finish
+            error = failed(exc)
+            status = error.status
+            yield f"data: {json.dumps(error.body)}\n\n"
         finally:
             if status != 200:  # failed, or the client went away: the other choices stop too
                 _cancel_all(handles)
@@ -341,12 +460,69 @@ def create_app(scheduler, *, model_name: str, api_key: str | None = None, max_qu
     return app
 
 
+class _EventStream(StreamingResponse):
+    """Server-sent events that always settle their request: ``settle()`` runs once the response is over, however
+    it ended. (A client that leaves before the first chunk cancels the response before its generator starts, and
+    an unstarted generator's own cleanup never runs: its request would go on, uncounted.)"""
+
+    def __init__(self, events, settle):
+        super().__init__(events, media_type="text/event-stream")
+        self._settle = settle
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._settle()
+
+
+async def _bounded_body(scope, receive, limit: int):
+    """Read a request's body here, at most ``limit`` bytes of it kept: (a ``receive`` that hands it to the app,
+    None), or (``receive``, the 413) for a larger one — read on up to _DISCARD_BYTES more and dropped, so its
+    client gets to read the answer — or (None, None) when the client left while sending."""
+    declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+    if declared is not None:
+        try:
+            declared = int(declared)
+        except ValueError:
+            return receive, APIError(400, "the Content-Length header is not a number")
+        if declared > limit + _DISCARD_BYTES:
+            return receive, too_large(limit)
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None, None
+        body = message.get("body", b"")
+        size += len(body)
+        if size <= limit:
+            chunks.append(body)
+        else:
+            chunks.clear()
+            if size > limit + _DISCARD_BYTES:
+                break
+        if not message.get("more_body", False):
+            break
+    if size > limit:
+        return receive, too_large(limit)
+    body, handed = b"".join(chunks), False
+
+    async def replay():
+        nonlocal handed
+        if not handed:
+            handed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()  # after the body: the client's disconnect, as the app listens for it
+
+    return replay, None
+
+
 def _cancel_all(handles):
     for handle in handles:
         handle.cancel()
 
 
-async def _drain(handle):
+async def _consume(handle):
     async for _ in handle:
         pass
 

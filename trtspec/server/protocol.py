@@ -3,6 +3,7 @@
 Fields a client may send but trtspec cannot honour are accepted only at their no-op values, and
 refused with a 400 that names them otherwise (an OpenAI client sends many of them as null). Range checks that
 OpenAI documents are made here; the rest (token ids, schemas) by the scheduler, whose ValueError becomes a 400.
+Every error the server answers is an APIError made here, most by the named constructors below.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)  # an unknown option is refused, as OpenAI does
+
     include_usage: bool = False
 
 
@@ -21,9 +24,9 @@ class _Sampling(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str
-    temperature: float | None = None  # OpenAI's default is 1.0
+    temperature: float | None = Field(default=None, ge=0, le=2)  # OpenAI's range; its default is 1.0
     top_p: float | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # 64 bits: no two seeds name one stream
     stop: Union[str, list[str], None] = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -79,6 +82,40 @@ class APIError(Exception):
         self.status = status
         self.body = {"error": {"message": message, "type": type, "param": param, "code": code}}
         self.headers = headers or {}
+
+
+RETRY_AFTER = {"Retry-After": "1"}
+
+
+def unauthorized() -> APIError:
+    return APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", type="authentication_error",
+                    code="invalid_api_key")
+
+
+def too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body is larger than this server's limit of {limit} bytes (--max-body-bytes)",
+                    code="request_too_large")
+
+
+def unavailable(why: str) -> APIError:
+    return APIError(503, f"{why}; retry on another replica or later", type="service_unavailable",
+                    headers=RETRY_AFTER)
+
+
+def queue_full(waiting: int) -> APIError:
+    return APIError(429, f"the queue is full ({waiting} requests waiting for a free row); retry shortly",
+                    type="rate_limit_error", headers=RETRY_AFTER)
+
+
+def failed(exc) -> APIError:
+    """A request that failed after it was queued (runtime.request.RequestFailedError): its ``status`` says whose
+    fault it was — 400 the request's (its grammar failed), 503 the server stopped it (a drain), 500 the server's."""
+    status = getattr(exc, "status", 500)
+    if status == 400:
+        return APIError(400, str(exc), param="response_format" if "response_format" in str(exc) else None)
+    if status == 503:
+        return APIError(503, str(exc), type="service_unavailable", headers=RETRY_AFTER)
+    return APIError(500, str(exc), type="server_error")
 
 
 def unsupported(req: _Sampling) -> None:

@@ -37,7 +37,7 @@ except ImportError as exc:  # pragma: no cover - the message is the point
     ) from exc
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 
-from ..runtime.request import GenerationResult, RequestFailedError, RequestStats
+from ..runtime.request import GenerationResult, InvalidRequestError, RequestFailedError, RequestStats
 from ..runtime.scheduler import Scheduler
 from ..runtime.tokenizer import encode_prompt
 from .app import create_app
@@ -47,6 +47,7 @@ from .routing import PrefixIndex
 log = logging.getLogger("trtspec.server")
 
 ROUTERS = ("prefix", "pow2")
+_APP_OPTIONS = ("api_key", "log_prompts", "max_body_bytes", "metrics_public", "parse_special_tokens")
 _SCHEDULER_OPTIONS = ("drafter", "num_draft_tokens", "k_policy", "max_batch", "prefill_chunk", "prefix_cache_mb",
                       "min_prefix_tokens", "sampling", "num_threads", "tree_width", "tree_nodes")
 
@@ -83,7 +84,8 @@ class EngineReplica:
         """Stream one request: ("delta", text)..., then ("done", result dict with the last text) or ("error", message).
 
         Invalid parameters give one ("invalid", message) event (the ingress answers 400; nothing is logged
-        as a replica error). If the caller goes away (Ray cancels this generator), the request is cancelled
+        as a replica error), and so does a request that fails alone because it cannot be honoured (its grammar
+        failed while decoding). If the caller goes away (Ray cancels this generator), the request is cancelled
         and its row freed within one round."""
         try:
             handle = self.scheduler.submit_async(ids, **params)
@@ -97,6 +99,9 @@ class EngineReplica:
                     last = delta
                     break
                 yield ("delta", delta)
+        except InvalidRequestError as exc:
+            yield ("invalid", str(exc))
+            return
         except RequestFailedError as exc:
             yield ("error", f"{exc} (replica {self.replica})")
             return
@@ -171,18 +176,27 @@ class RemoteRequestHandle:
     def __init__(self, stream):
         self._stream = stream
         self._first = None
+        self._failure: BaseException | None = None  # fail()'s error, raised instead of the cancelled stream's
         self.result: GenerationResult | None = None
 
     async def start(self):
         """Wait until a replica has taken the request and sent its first event (errors surface here as
         ValueError: bad parameters, APIError 429/503: no room, RequestFailedError: the replica failed)."""
-        self._first = await self._next()
+        self._first = await self._receive()
         if self._first[0] == "invalid":
             raise ValueError(self._first[1])
 
     async def _next(self):
         try:
             return await self._stream.__anext__()
+        except Exception:
+            if self._failure is not None:
+                raise self._failure from None
+            raise
+
+    async def _receive(self):
+        try:
+            return await self._next()
         except StopAsyncIteration:
             return ("error", "the engine replica ended the stream without a result")
         except BackPressureError:
@@ -204,7 +218,7 @@ class RemoteRequestHandle:
         try:
             event, self._first = self._first, None
             while True:
-                kind, value = event if event is not None else await self._next()
+                kind, value = event if event is not None else await self._receive()
                 event = None
                 if kind == "delta":
                     if value:
@@ -217,8 +231,8 @@ class RemoteRequestHandle:
                                                    replica=value["replica"], logprobs=value.get("logprobs"),
                                                    prompt_logprobs=value.get("prompt_logprobs"))
                     return
-                elif kind == "invalid":
-                    raise ValueError(value)
+                elif kind == "invalid":  # it failed alone, and cannot be honoured: a 400 (InvalidRequestError)
+                    raise InvalidRequestError(value)
                 else:
                     raise RequestFailedError(value)
         finally:
@@ -228,15 +242,23 @@ class RemoteRequestHandle:
     def cancel(self):
         self._stream.cancel()
 
+    def fail(self, error: BaseException):
+        """End this handle with ``error`` (its consumer raises it) and cancel the replica's work."""
+        self._failure = error
+        self.cancel()
+
 
 class RemoteScheduler:
     """The part of Scheduler's front that app.create_app uses, over a handle to EngineReplica."""
 
-    waiting = 0  # requests queue in Ray's routers and the replicas; max_queued_requests bounds them (429)
-
     def __init__(self, engine_handle):
         self._handle = engine_handle
         self._streaming = engine_handle.options(stream=True)
+
+    def backlog(self, arriving: int = 0) -> int:
+        """0: requests queue in Ray's routers and the replicas, where max_queued_requests bounds them (a
+        BackPressureError, the 429)."""
+        return 0
 
     async def connect(self):
         info = await self._handle.info.remote()
@@ -251,15 +273,24 @@ class RemoteScheduler:
     def submit_async(self, ids, **params) -> RemoteRequestHandle:
         return RemoteRequestHandle(self._streaming.generate.remote([int(t) for t in ids], params))
 
+    async def asubmit(self, ids, n: int = 1, **params) -> list[RemoteRequestHandle]:
+        """n samples of one prompt (sample i with seed + i), each routed on its own; validation happens on the
+        replica that takes it (its ValueError comes back through ``start``)."""
+        seed = params.pop("seed", None)
+        return [self.submit_async(ids, seed=None if seed is None else seed + i, **params) for i in range(n)]
+
     def close(self, timeout=None):
         """Nothing to close here: the engine replicas belong to Ray."""
 
 
 @serve.ingress()
 class OpenAIIngress:
-    def __init__(self, engine_handle, model_name: str, api_key: str | None = None, log_prompts: bool = False):
+    """``app_options``: create_app's (``api_key``, ``log_prompts``, ``max_body_bytes``, ``metrics_public``,
+    ``parse_special_tokens``)."""
+
+    def __init__(self, engine_handle, model_name: str, app_options: dict | None = None):
         self._remote = RemoteScheduler(engine_handle)
-        self._app_options = dict(model_name=model_name, api_key=api_key, log_prompts=log_prompts, warmup=False)
+        self._app_options = dict(model_name=model_name, warmup=False, **(app_options or {}))
 
     def __serve_build_asgi_app__(self):
         return create_app(self._remote, **self._app_options)
@@ -330,12 +361,14 @@ def build_app(args: dict):
     ``num_threads``: threads per replica, default 1), ``replicas`` (default 1) or ``autoscale``
     (``{"min_replicas", "max_replicas", "target_ongoing_requests"}``), ``router`` ("prefix" | "pow2"),
     ``max_queue`` (requests queued beyond the replicas' rows before 429), ``gpus_per_replica``,
-    ``system_prompts``, ``model_name``, ``api_key``, ``log_prompts``, ``health_check_period_s``.
+    ``system_prompts``, ``model_name``, ``health_check_period_s``, and the ingress's create_app options
+    ``api_key`` (a key or a list of keys), ``log_prompts``, ``max_body_bytes``, ``metrics_public``,
+    ``parse_special_tokens``.
     Paths are resolved here; in a config file for a cluster give absolute paths present on every node.
     """
     args = dict(args)
     known = {"target", "draft", "replicas", "autoscale", "router", "max_queue", "gpus_per_replica", "system_prompts",
-             "model_name", "api_key", "log_prompts", "health_check_period_s", *_SCHEDULER_OPTIONS}
+             "model_name", "health_check_period_s", *_APP_OPTIONS, *_SCHEDULER_OPTIONS}
     unknown = sorted(set(args) - known)
     if unknown:
         raise ValueError(f"unknown trtspec Ray Serve argument(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
@@ -380,7 +413,7 @@ def build_app(args: dict):
     ingress = serve.deployment(OpenAIIngress).options(
         name="OpenAIIngress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
     model_name = args.get("model_name") or os.path.basename(target.rstrip("/"))
-    return ingress.bind(engine, model_name, args.get("api_key"), bool(args.get("log_prompts")))
+    return ingress.bind(engine, model_name, {k: args[k] for k in _APP_OPTIONS if args.get(k) is not None})
 
 
 def _engine_rows(target, draft) -> int:

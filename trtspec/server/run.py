@@ -1,32 +1,111 @@
-"""Running the app under uvicorn: bind, serve, and drain on SIGTERM/SIGINT."""
+"""Running the app under uvicorn: bind, serve, time out slow headers, and drain on SIGTERM/SIGINT."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 log = logging.getLogger("trtspec.server")
 
+HEADER_TIMEOUT = 10.0  # seconds a connection may take to send a request's headers (trtspec serve --header-timeout)
+# the most bytes a connection may send before a request's headers are complete: uvicorn's httptools parser sets
+# no bound (h11's, where httptools is missing, is 16 KiB), and a header line of gigabytes sent within the
+# timeout would be held in memory
+MAX_HEADER_BYTES = 64 << 10
+_TOO_LARGE = (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: text/plain\r\nconnection: close\r\n"
+              b"content-length: 29\r\n\r\nrequest headers over 64 KiB\r\n")
 
-def serve(app, *, host: str = "127.0.0.1", port: int = 8000, drain_timeout: float = 30.0, log_level: str = "warning"):
-    """Serve until SIGTERM/SIGINT; then stop admitting (503), let requests in flight finish for up to
-    ``drain_timeout`` seconds, cancel what is left, and return (exit code 0)."""
+
+def make_server(app, *, host: str = "127.0.0.1", port: int = 8000, drain_timeout: float = 30.0,
+                header_timeout: float = HEADER_TIMEOUT, log_level: str = "warning"):
+    """A uvicorn server for ``app`` (create_app's) that drains instead of stopping at once, and closes connections
+    that take longer than ``header_timeout`` seconds to send a request's headers (uvicorn itself waits forever:
+    a slowloris client holds a connection with a byte now and then) or send more than MAX_HEADER_BYTES of them
+    (431). ``server.run()`` serves until SIGTERM/SIGINT or ``server.drain()``; see DrainingServer."""
     import uvicorn
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol  # httptools' parser where installed, else h11's
 
-    class _DrainingServer(uvicorn.Server):
-        def handle_exit(self, sig, frame):
-            if not app.state.trtspec.draining:
-                log.info("signal %s: draining (new requests get 503; up to %.0f s for those in flight)", sig,
-                         drain_timeout)
+    class HeaderTimeoutProtocol(AutoHTTPProtocol):
+        """uvicorn's own HTTP protocol with a deadline and a size bound on each request's headers, counted from
+        when the connection opens and from when a response completes (a kept-alive connection then waits for its
+        next request): past the deadline, or past MAX_HEADER_BYTES (431), the connection is closed. Bytes
+        arriving do not put the deadline off."""
+
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self._arm()
+
+        def _arm(self):
+            self._header_bytes = 0
+            self._header_timer = self.loop.call_later(header_timeout, self._headers_too_slow)
+
+        def _waiting(self) -> bool:
+            # a request whose headers are in has a cycle still answering; otherwise the last one is complete
+            return self.cycle is None or self.cycle.response_complete
+
+        def _headers_too_slow(self):
+            if self._waiting() and not self.transport.is_closing():
+                self.transport.close()
+
+        def data_received(self, data):
+            waiting = self._waiting()
+            super().data_received(data)
+            if waiting and self._waiting() and not self.transport.is_closing():  # the headers are still not in
+                self._header_bytes += len(data)
+                if self._header_bytes > MAX_HEADER_BYTES:
+                    self.transport.write(_TOO_LARGE)
+                    self.transport.close()
+
+        def on_response_complete(self):
+            super().on_response_complete()
+            self._header_timer.cancel()
+            if not self.transport.is_closing():
+                self._arm()
+
+        def connection_lost(self, exc):
+            self._header_timer.cancel()
+            super().connection_lost(exc)
+
+    class DrainingServer(uvicorn.Server):
+        """SIGTERM/SIGINT (or ``drain()``) drains: the listener stays open and new generations get 503 with
+        Retry-After (kept-alive connections too) while those in flight get up to ``drain_timeout`` seconds; the
+        ones still running then end detectably (app._State.drain); then the server stops and ``run`` returns.
+        A second signal stops it at once."""
+
+        drain_requested = False
+
+        def drain(self):
+            """Begin draining (from any thread)."""
             app.state.trtspec.draining = True
-            super().handle_exit(sig, frame)
-            # uvicorn re-raises the signal after its graceful shutdown (the process then dies of it); a drained
-            # server has done what the signal asked, so it exits 0 instead
-            if isinstance(getattr(self, "_captured_signals", None), list):
-                self._captured_signals.clear()
+            self.drain_requested = True
 
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=drain_timeout,
-                            access_log=False)
-    server = _DrainingServer(config)
+        def handle_exit(self, sig, frame):
+            if self.drain_requested:  # a second signal: stop now
+                self.force_exit = True
+                self.should_exit = True
+                return
+            log.info("signal %s: draining (new requests get 503; up to %.0f s for those in flight)", sig,
+                     drain_timeout)
+            self.drain()
+
+        async def on_tick(self, counter) -> bool:
+            if self.drain_requested and getattr(self, "_draining", None) is None:
+                self._draining = asyncio.ensure_future(app.state.trtspec.drain(drain_timeout))
+            if getattr(self, "_draining", None) is not None and self._draining.done():
+                return True
+            return await super().on_tick(counter)
+
+    # nothing is in flight once the drain is over: uvicorn's own graceful wait only closes connections
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
+                            access_log=False, http=HeaderTimeoutProtocol)
+    return DrainingServer(config)
+
+
+def serve(app, *, host: str = "127.0.0.1", port: int = 8000, drain_timeout: float = 30.0,
+          header_timeout: float = HEADER_TIMEOUT, log_level: str = "warning"):
+    """Serve until SIGTERM/SIGINT; then drain (make_server) and return (exit code 0)."""
+    server = make_server(app, host=host, port=port, drain_timeout=drain_timeout, header_timeout=header_timeout,
+                         log_level=log_level)
     server.run()
     if not server.started:
         raise OSError(f"could not serve on {host}:{port} (see the error above)")
