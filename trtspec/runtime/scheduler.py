@@ -1157,7 +1157,7 @@ class Scheduler:
                     t_block = self.target.save_prefix(s, keep)
                     d_block = self.drafter.save_prefix(s, keep)
                     self.prefix_cache.add(self._tokens[s, :keep], t_block, d_block, pinned=r.prefix_only)
-            if self._learn_output is not None and r.finish_reason != "cancelled":
+            if self._learn_output is not None and r.finish_reason not in ("cancelled", "error"):
                 # the output, after the prompt's last tokens: what it followed is matchable too
                 self._learn_output(s, self._tokens[s, max(0, r.prompt_ids.size - CONTEXT_TOKENS) : int(self._n[s])])
             self._finish(r, r.output)
