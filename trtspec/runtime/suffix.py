@@ -18,7 +18,6 @@ chain. No earlier occurrence: no drafts, and the round costs the target call alo
 from __future__ import annotations
 
 import threading
-import time
 from array import array
 from collections import OrderedDict, deque
 
@@ -139,7 +138,6 @@ class SuffixDrafter:
         self.tree_nodes = tree_nodes or 16
         self.min_score = min_score
         self.rows: list[_Index] = [_Index() for _ in range(max_batch)]
-        self.last_propose_s = 0.0  # host seconds of the last propose() (the drafter's whole cost)
 
     def admit(self, row, prefix, n):
         self.rows[row] = _Index()
@@ -165,8 +163,8 @@ class SuffixDrafter:
         self.cache.add(tokens)
 
     def propose(self, tokens, n, caps, samplers, capacity):
-        # tokens [B, cap] int64, n [B], caps [B] -> Proposal (a tree per row, or chains)
-        t0 = time.perf_counter()
+        # tokens [B, cap] int64, n [B], caps [B] -> Proposal (a tree per row, or chains); no engine calls: the
+        # round's own clock counts this host work
         b = n.size
         trees = []
         for r in range(b):
@@ -175,11 +173,9 @@ class SuffixDrafter:
                 index.extend(tokens[r, len(index.seq) : length].tolist())
             trees.append(self._tree(index, depth) if depth > 0 else ([], []))
         drafts, parents, counts = pack_trees(trees, max([len(t) for t, _ in trees] + [0]))
-        self.last_propose_s = time.perf_counter() - t0
-        calls = []  # no engine calls: drafting costs only this host time
         if not self.tree:
-            return Proposal(drafts, counts, None, calls)
-        return Proposal(drafts, counts, None, calls, parents, f"suffix{self.tree_nodes}")
+            return Proposal(drafts, counts)
+        return Proposal(drafts, counts, None, [], parents, f"suffix{self.tree_nodes}")
 
     def _continuations(self, index: _Index, depth: int) -> list[list[int]]:
         seq = index.seq
