@@ -7,12 +7,18 @@ ratios between servers come from the same minutes of a shared machine.
 
     python benchmarks/bench_serve.py [--requests 24] [--max-tokens 128] [--rates 1 2 4]
     python benchmarks/bench_serve.py --baseline /path/to/other/checkout --no-hf   # this code vs another checkout
+    python benchmarks/bench_serve.py --baseline CHECKOUT --no-hf --runs 4   # fresh servers 4 times, order alternating
     python benchmarks/bench_serve.py --no-hf --llama-server BIN --llama-model TARGET.gguf --llama-draft DRAFT.gguf
     python benchmarks/bench_serve.py --no-hf --only draft --draft-k 4 8   # draft servers drafting up to 4 and 8
     python benchmarks/bench_serve.py --no-hf --int4-draft   # also a server drafting with the draft's INT4 build
 
 ``--llama-server``: llama.cpp's server (built by the user; trtspec ships none of it) on the same model converted to
 GGUF float32, 8 slots, 2 threads, with and without its draft model, in the same rotation.
+
+A server process keeps its own speed for its life: on this 2-core machine two processes of the same checkout, their
+requests alternating, differed by up to 12 % in tokens/s (in every such A/B here the process started first was
+the slower). So ``--runs N`` starts every server afresh N times, the baseline's servers first in every other run,
+and the medians are over all runs: compare checkouts there, not within one run.
 
 Writes benchmarks/results/serve.{json,md,png}.
 """
@@ -46,9 +52,10 @@ def free_port() -> int:
 
 
 def servers(baseline: Path | None = None, hf: bool = True, llama: tuple | None = None,
-            only: list[str] | None = None, draft_k=(4,), int4_draft: bool = False
+            only: list[str] | None = None, draft_k=(4,), int4_draft: bool = False, baseline_first: bool = False
             ) -> dict[str, tuple[list[str], dict | None]]:
-    """name -> (command, environment or None); ``baseline``: also trtspec's servers from that checkout;
+    """name -> (command, environment or None), in the order they start; ``baseline``: also trtspec's servers from
+    that checkout (started before this checkout's with ``baseline_first``);
     ``llama``: (llama-server binary, target GGUF, draft GGUF or None); ``draft_k``: one draft server per most
     drafts a round (-k; load-aware k below it); ``int4_draft``: also a server drafting with the draft's INT4 build."""
     engines()  # builds the max-batch-8 engines if missing
@@ -65,7 +72,8 @@ def servers(baseline: Path | None = None, hf: bool = True, llama: tuple | None =
         out["trtspec serve (INT4 draft, load-aware k)"] = (trtspec + ["--draft", str(int4_engine(draft)), "-k", "4"], None)
     if baseline is not None:
         env = {**os.environ, "PYTHONPATH": str(baseline)}
-        out.update({f"{name}, baseline": (cmd, env) for name, (cmd, _) in list(out.items())})
+        theirs = {f"{name}, baseline": (cmd, env) for name, (cmd, _) in out.items()}
+        out = {**theirs, **out} if baseline_first else {**out, **theirs}
     if hf:
         out["HF generate() + FastAPI"] = ([sys.executable, str(ROOT / "benchmarks" / "hf_server.py"), "--model",
                                           str(ROOT / "models" / "stdlib-target"), "--name", "stdlib", "--threads", "2"],
@@ -148,14 +156,111 @@ def markdown(res) -> str:
              "| server | load | output tok/s | req/s | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | ITL p50 ms | ITL p90 ms "
              "| ITL p99 ms | errors |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    f = lambda x, d=0: "-" if x is None else f"{x:.{d}f}"  # noqa: E731
+    runs = 1 + max((r.get("run", 0) for rows in res["servers"].values() for r in rows), default=0)
     for name, rows in res["servers"].items():
         for r in rows:
             load = f"{r['concurrency']} clients" if "concurrency" in r else f"{r['rate']} req/s Poisson"
-            f = lambda x, d=0: "-" if x is None else f"{x:.{d}f}"  # noqa: E731
+            if runs > 1:
+                load += f" (run {r['run']})"
             lines.append(f"| {name} | {load} | {f(r['output_tok_s'], 1)} | {f(r['requests_s'], 2)} | "
                          f"{f(r['ttft_p50_ms'])} | {f(r.get('ttft_p90_ms'))} | {f(r['ttft_p99_ms'])} | "
                          f"{f(r['itl_p50_ms'], 1)} | {f(r.get('itl_p90_ms'), 1)} | {f(r['itl_p99_ms'], 1)} | {r['errors']} |")
+    medians = _medians(res)
+    if medians:  # a load level given more than once: each server's median over its runs of it
+        lines += ["", "Medians over every run of each load level:", "",
+                  "| server | load | runs | output tok/s | TTFT p50 ms | ITL p50 ms |", "|---|---|---|---|---|---|"]
+        for (name, load), m in medians.items():
+            lines.append(f"| {name} | {load} | {m['runs']} | {f(m['output_tok_s'], 1)} | {f(m['ttft_p50_ms'])} | "
+                         f"{f(m['itl_p50_ms'], 1)} |")
+    ratios = _ratios(res)
+    if ratios:  # this checkout's server against the baseline's, level by level within each run
+        lines += ["", "This checkout / the baseline: the median of the ratios of the two servers' runs of each load "
+                  "level (run in turn, within minutes of each other, in the same run):", "",
+                  "| server | load | pairs | output tok/s ratio | TTFT p50 ratio | ITL p50 ratio |",
+                  "|---|---|---|---|---|---|"]
+        for (name, load), m in ratios.items():
+            lines.append(f"| {name} | {load} | {m['pairs']} | {f(m['output_tok_s'], 3)} | {f(m['ttft_p50_ms'], 3)} | "
+                         f"{f(m['itl_p50_ms'], 3)} |")
     return "\n".join(lines) + "\n"
+
+
+def _by_load(rows) -> dict:
+    out: dict[str, list] = {}
+    for r in rows:  # (the load without its run)
+        load = f"{r['concurrency']} clients" if "concurrency" in r else f"{r['rate']} req/s Poisson"
+        out.setdefault(load, []).append(r)
+    return out
+
+
+def _ratios(res) -> dict:
+    """(server, load) -> medians of this checkout's / the baseline's output tok/s, TTFT p50 and ITL p50 over the
+    pairs of their runs of that load level (both servers' rows come in the same order: run by run, level by
+    level), for every server the baseline also ran."""
+    import statistics
+
+    out = {}
+    for name, rows in res["servers"].items():
+        theirs = res["servers"].get(f"{name}, baseline")
+        if theirs is None:
+            continue
+        mine_by, theirs_by = _by_load(rows), _by_load(theirs)
+        for load, mine in mine_by.items():
+            pairs = list(zip(mine, theirs_by.get(load, [])))
+            out[(name, load)] = {"pairs": len(pairs), **{
+                key: statistics.median(a[key] / b[key] for a, b in pairs if a[key] and b[key])
+                if any(a[key] and b[key] for a, b in pairs) else None
+                for key in ("output_tok_s", "ttft_p50_ms", "itl_p50_ms")}}
+    return out
+
+
+def _medians(res) -> dict:
+    """(server, load) -> medians of output tok/s, TTFT p50 and ITL p50 over that load level's runs, for levels
+    run more than once."""
+    import statistics
+
+    out = {}
+    for name, rows in res["servers"].items():
+        for load, runs in _by_load(rows).items():
+            if len(runs) > 1:
+                out[(name, load)] = {"runs": len(runs), **{
+                    key: statistics.median(x[key] for x in runs if x[key] is not None)
+                    if any(x[key] is not None for x in runs) else None
+                    for key in ("output_tok_s", "ttft_p50_ms", "itl_p50_ms")}}
+    return out
+
+
+def serve_levels(chosen: dict, run: int, args, prompts, res) -> None:
+    """Start ``chosen`` servers (in their order), run every load level against each in turn (the order rotating per
+    level), stop them; rows go to ``res["servers"]`` tagged with ``run``."""
+    procs, urls = [], {}
+    try:
+        for name, (cmd, env) in chosen.items():
+            port = free_port()
+            procs.append(start(cmd, port, env))
+            urls[name] = f"http://127.0.0.1:{port}/v1"
+            res["servers"].setdefault(name, [])
+        levels = [("concurrency", c) for c in args.concurrency] + [("rate", r) for r in args.rates]
+        for i, (kind, value) in enumerate(levels):
+            names = list(urls)
+            for name in names[i % len(names) :] + names[: i % len(names)]:
+                records, wall = asyncio.run(run_load(urls[name], "stdlib", prompts, max_tokens=args.max_tokens,
+                                                     num_requests=args.requests,
+                                                     **({kind: int(value)} if kind == "concurrency" else {kind: value})))
+                res["servers"][name].append({"run": run, kind: value, **summarize(records, wall)})
+                res["texts"].setdefault(name, [r.text for r in records])
+                row = res["servers"][name][-1]
+                print(f"run {run} {name:48s} {kind} {value:>4}: {row['output_tok_s']:7.1f} tok/s TTFT p50 "
+                      f"{row['ttft_p50_ms'] or 0:.0f} ms errors {row['errors']}", flush=True)
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:  # llama-server may ignore SIGTERM with requests it never finished
+                proc.kill()
+                proc.wait()
 
 
 def main(argv=None):
@@ -166,6 +271,9 @@ def main(argv=None):
     ap.add_argument("--rates", type=float, nargs="*", default=[1.0, 2.0, 4.0])
     ap.add_argument("--out", type=Path, default=RESULTS / "serve")
     ap.add_argument("--baseline", type=Path, help="also serve with this other trtspec checkout (same engines)")
+    ap.add_argument("--runs", type=int, default=1,
+                    help="start the servers afresh this many times, the baseline's first in every other run; each "
+                         "run goes through every load level (default 1)")
     ap.add_argument("--no-hf", action="store_true", help="leave out the HF generate() server")
     ap.add_argument("--llama-server", type=Path, help="llama.cpp's llama-server binary: serve the same model with it")
     ap.add_argument("--llama-model", type=Path, help="the bundled target converted to GGUF (float32)")
@@ -177,45 +285,24 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.llama_server is not None and args.llama_model is None:
         ap.error("--llama-server needs --llama-model (the target in GGUF)")
+    if args.runs < 1:
+        ap.error("--runs must be at least 1")
     if args.baseline is not None and not (args.baseline / "trtspec" / "__init__.py").is_file():
         ap.error("--baseline must be a trtspec checkout (a directory with trtspec/__init__.py)")
     prompts = load_prompts(ROOT / "models" / "heldout.json")
     res = {"requests": args.requests, "max_tokens": args.max_tokens, "servers": {}, "texts": {}}
-    procs, urls = [], {}
-    try:
-        llama = (args.llama_server, args.llama_model, args.llama_draft) if args.llama_server else None
-        for name, (cmd, env) in servers(args.baseline, hf=not args.no_hf, llama=llama, only=args.only,
-                                            draft_k=args.draft_k, int4_draft=args.int4_draft).items():
-            port = free_port()
-            procs.append(start(cmd, port, env))
-            urls[name] = f"http://127.0.0.1:{port}/v1"
-            res["servers"][name] = []
-        levels = [("concurrency", c) for c in args.concurrency] + [("rate", r) for r in args.rates]
-        for i, (kind, value) in enumerate(levels):
-            names = list(urls)
-            for name in names[i % len(names) :] + names[: i % len(names)]:
-                records, wall = asyncio.run(run_load(urls[name], "stdlib", prompts, max_tokens=args.max_tokens,
-                                                     num_requests=args.requests,
-                                                     **({kind: int(value)} if kind == "concurrency" else {kind: value})))
-                res["servers"][name].append({kind: value, **summarize(records, wall)})
-                res["texts"].setdefault(name, [r.text for r in records])
-                row = res["servers"][name][-1]
-                print(f"{name:48s} {kind} {value:>4}: {row['output_tok_s']:7.1f} tok/s TTFT p50 "
-                      f"{row['ttft_p50_ms'] or 0:.0f} ms errors {row['errors']}", flush=True)
-    finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:  # llama-server may ignore SIGTERM with requests it never finished
-                proc.kill()
-                proc.wait()
+    llama = (args.llama_server, args.llama_model, args.llama_draft) if args.llama_server else None
+    for run in range(args.runs):
+        chosen = servers(args.baseline, hf=not args.no_hf, llama=llama, only=args.only, draft_k=args.draft_k,
+                         int4_draft=args.int4_draft, baseline_first=run % 2 == 1)
+        serve_levels(chosen, run, args, prompts, res)
     texts = res["texts"]
     reference = "trtspec serve (plain)" if "trtspec serve (plain)" in texts else next(iter(texts))
     res["identical_greedy_text_to"] = reference
     res["outputs_identical"] = {name: t == texts[reference] for name, t in texts.items() if name != reference}
     del res["texts"]
+    res["medians"] = [{"server": name, "load": load, **m} for (name, load), m in _medians(res).items()]
+    res["ratios_to_baseline"] = [{"server": name, "load": load, **m} for (name, load), m in _ratios(res).items()]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(res, indent=1))
     args.out.with_suffix(".md").write_text(markdown(res))

@@ -51,7 +51,8 @@ def server(target, draft):
 DEFS = {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}, "required": ["c"],
               "additionalProperties": False}}
 # a string first, then an object that must nest forever: llguidance compiles it, and fails a few tokens in
-FAILS_WHILE_DECODING = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 4}, "b": {"$ref": "#/$defs/n"}},
+FAILS_WHILE_DECODING = {"type": "object",
+                        "properties": {"a": {"type": "string", "maxLength": 4}, "b": {"$ref": "#/$defs/n"}},
                         "required": ["a", "b"], "additionalProperties": False, "$defs": DEFS}
 
 
@@ -72,7 +73,8 @@ ATTACKS = [
     ("$ref cycle a -> b -> a", _completion(**_schema({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"},
                                                                                    "b": {"$ref": "#/$defs/a"}}})),
      400, "allows no document"),
-    ("20 MB body", b'{"model": "tiny", "max_tokens": 4, "prompt": "' + b"x" * (20 << 20) + b'"}', 413, "--max-body-bytes"),
+    ("20 MB body", b'{"model": "tiny", "max_tokens": 4, "prompt": "' + b"x" * (20 << 20) + b'"}', 413,
+     "--max-body-bytes"),
     ("1 MB prompt", _completion(prompt="x" * (1 << 20)), 400, "characters"),
     ("temperature 1e9", _completion(temperature=1e9), 400, "temperature"),
     ("logit_bias key ' 5'", _completion(logit_bias={" 5": 10}), 400, "logit_bias key ' 5'"),
@@ -156,8 +158,8 @@ def test_a_streamed_request_whose_grammar_fails_gets_an_error_event_and_no_done(
 
 def test_structured_output_that_returns_always_parses(server):
     client = server.client()
-    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999}}, "required": ["a"],
-              "additionalProperties": False}
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999}},
+              "required": ["a"], "additionalProperties": False}
     out = client.completions.create(model="tiny", prompt="data = ", max_tokens=100, temperature=0,
                                     extra_body=_schema(schema))
     assert out.choices[0].finish_reason == "stop" and isinstance(json.loads(out.choices[0].text)["a"], int)
@@ -196,7 +198,7 @@ def test_chat_content_is_text_never_special_tokens(server, target):
     as_text = tok(attack, add_special_tokens=False, split_special_tokens=True)["input_ids"]
     parsed = tok(attack, add_special_tokens=False)["input_ids"]
     assert len(as_text) > len(parsed)  # parsed, "</s>" is one token; as text, several
-    template = len(tok("<|user|>", add_special_tokens=False)["input_ids"]) + len(tok("\n<|assistant|>", add_special_tokens=False)["input_ids"])
+    template = sum(len(tok(piece, add_special_tokens=False)["input_ids"]) for piece in ("<|user|>", "\n<|assistant|>"))
     assert out.usage.prompt_tokens == template + len(as_text)
 
 
@@ -251,7 +253,8 @@ def test_api_keys_come_from_a_file_or_the_environment(tmp_path, monkeypatch):
 def test_any_key_of_a_key_file_is_accepted(target):
     with Server(create_app(Scheduler(target), model_name="tiny", api_key=["alpha", "beta"], warmup=False)) as s:
         for key, status in (("alpha", 200), ("beta", 200), ("gamma", 401), ("alphabeta", 401)):
-            assert httpx.get(s.url + "/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=10).status_code == status
+            r = httpx.get(s.url + "/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=10)
+            assert r.status_code == status, key
 
 
 # -- bounded waiting and connections ---------------------------------------------------------------------------------

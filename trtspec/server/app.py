@@ -94,7 +94,7 @@ class _State:
             await asyncio.sleep(0.02)
 
 
-def create_app(scheduler, *, model_name: str, api_key=None, max_queue: int = MAX_QUEUE,
+def create_app(scheduler, *, model_name: str, api_key: str | list[str] | None = None, max_queue: int = MAX_QUEUE,
                max_body_bytes: int = MAX_BODY_BYTES, metrics_public: bool = False, parse_special_tokens: bool = False,
                log_prompts: bool = False, warmup: bool = True) -> FastAPI:
     """An ASGI app serving ``scheduler`` as OpenAI's /v1/completions and /v1/chat/completions.

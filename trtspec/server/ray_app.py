@@ -139,7 +139,7 @@ class _ReplicaMetrics:
                  "accepted": "Draft tokens accepted", "prefix_hits": "Admissions that reused cached prefix slots",
                  "prefix_misses": "Admissions that found no cached prefix",
                  "prefix_tokens_reused": "Prompt tokens not recomputed thanks to the prefix cache",
-                 "requests_finished": "Requests finished", "requests_failed": "Requests failed by an engine error"}
+                 "requests_finished": "Requests finished", "requests_failed": "Requests failed (an engine error, or their own)"}
 
     def __init__(self, scheduler):
         from ray.serve.metrics import Counter, Gauge
