@@ -106,15 +106,21 @@ async def _victim(http, prompt, started):
     return text
 
 
+async def _victims_streaming(http, victims):
+    """The victims' streams, once each has had its first chunk."""
+    started = asyncio.Semaphore(0)
+    running = [asyncio.ensure_future(_victim(http, p, started)) for p in victims]
+    for _ in victims:
+        await started.acquire()
+    return running
+
+
 def _under_attack(server, body, victims=PROMPTS):
     """Victims stream concurrently; once each has its first chunk, the attacker sends ``body``."""
 
     async def main():
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
-            started = asyncio.Semaphore(0)
-            running = [asyncio.ensure_future(_victim(http, p, started)) for p in victims]
-            for _ in victims:
-                await started.acquire()
+            running = await _victims_streaming(http, victims)
             attack = await _attack(http, body)
             return attack, await asyncio.gather(*running)
 
@@ -135,10 +141,7 @@ def test_victims_equal_their_alone_output_while_an_attacker_sends_a_bad_request(
 def test_a_streamed_request_whose_grammar_fails_gets_an_error_event_and_no_done(server, alone):
     async def main():
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
-            started = asyncio.Semaphore(0)
-            running = [asyncio.ensure_future(_victim(http, p, started)) for p in PROMPTS]
-            for _ in PROMPTS:
-                await started.acquire()
+            running = await _victims_streaming(http, PROMPTS)
             events = []
             async with http.stream("POST", "/v1/completions",
                                    json=_completion(stream=True, **_schema(FAILS_WHILE_DECODING))) as r:
