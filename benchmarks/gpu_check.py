@@ -195,63 +195,55 @@ def parity(ctx, model_dir: Path, dtype: str) -> dict:
         if dtype != "float32" else hf
     rng = np.random.default_rng(0)
     vocab = engine.vocab_size
-    seqs = [[]]  # the row's committed tokens
+    seq = []  # the row's committed tokens
 
-    def reference(model, seq):  # logits [len(seq), V] float32 numpy
+    def reference(model, tokens):  # logits [len(tokens), V] float32 numpy
         with torch.no_grad():
-            return model(torch.tensor([seq], device=ctx.device)).logits[0].float().cpu().numpy()
+            return model(torch.tensor([tokens], device=ctx.device)).logits[0].float().cpu().numpy()
 
-    def compare(label, got, refs, refs32):
-        # got [1, T, V]; refs / refs32: per row, [T, V]
-        ref, ref32 = np.stack(refs), np.stack(refs32)
-        diff = got - ref
+    def compare(label, got, ref, ref32):
+        # got [1, T, V]; ref / ref32 [T, V]: HF in the engine's dtype and in float32
+        diff = got[0] - ref
         return {"call": label, "max_abs_diff": float(np.abs(diff).max()),
                 "rel_l2": float(np.linalg.norm(diff) / np.linalg.norm(ref)),
                 "max_abs_logit": float(np.abs(ref).max()),
-                "argmax_agree": float(np.mean(got.argmax(-1) == ref.argmax(-1))),
+                "argmax_agree": float(np.mean(got[0].argmax(-1) == ref.argmax(-1))),
                 "hf_vs_hf_float32_rel_l2": float(np.linalg.norm(ref - ref32) / np.linalg.norm(ref32))}
 
-    def chain_call(label, t, starts):
+    def both(tokens, last):  # HF's logits of the last ``last`` positions, in the engine's dtype and in float32
+        ref = reference(hf, tokens)[-last:]
+        return ref, (reference(hf32, tokens)[-last:] if hf32 is not hf else ref)
+
+    def chain_call(label, t, start):
         ids = rng.integers(3, vocab, size=(1, t))
-        pos = np.stack([np.arange(s, s + t) for s in starts])
-        for b, s in enumerate(starts):
-            del seqs[b][s:]  # a rollback: the slots past s are hidden by the mask and written over
-        got = engine.forward(ids, pos)
-        seqs[0].extend(ids[0].tolist())
-        refs = [reference(hf, seqs[0])[-t:]]
-        refs32 = [reference(hf32, seqs[0])[-t:]] if hf32 is not hf else refs
-        return compare(label, got, refs, refs32)
+        del seq[start:]  # a rollback: the slots past start are hidden by the mask and written over
+        got = engine.forward(ids, np.arange(start, start + t)[None])
+        seq.extend(ids[0].tolist())
+        return compare(label, got, *both(seq, t))
 
     def tree_call(label, t):
         # every node has up to 3 children (as measure_call_costs' trees); the tree is not committed
-        parents = np.array([[-1] + [(i - 1) // 3 for i in range(1, t)]])
-        mask, depth = tree_positions(parents)
+        parents = [-1] + [(i - 1) // 3 for i in range(1, t)]
+        mask, depth = tree_positions(np.array([parents]))
         ids = rng.integers(3, vocab, size=(1, t))
-        starts = np.array([[len(s)] for s in seqs])
-        got = engine.forward(ids, starts + depth, tree_mask=mask)
-        refs, refs32 = [], []
-        for b in range(1):
-            rows, rows32 = [], []
-            for i in range(t):
-                path, node = [], i
-                while node >= 0:
-                    path.append(int(ids[b, node]))
-                    node = parents[b, node]
-                seq = seqs[b] + path[::-1]
-                rows.append(reference(hf, seq)[-1])
-                rows32.append(reference(hf32, seq)[-1] if hf32 is not hf else rows[-1])
-            refs.append(np.stack(rows))
-            refs32.append(np.stack(rows32))
-        return compare(label, got, refs, refs32)
+        got = engine.forward(ids, len(seq) + depth, tree_mask=mask)
+        rows = []
+        for i in range(t):  # node i's reference: the committed tokens, then its path from the root
+            path, node = [], i
+            while node >= 0:
+                path.append(int(ids[0, node]))
+                node = parents[node]
+            rows.append([r[0] for r in both(seq + path[::-1], 1)])
+        return compare(label, got, *(np.stack(x) for x in zip(*rows)))
 
     row = {"model": model_dir.name, "dtype": dtype, "calls": [],
            "target": "max|diff| <= 1e-4" if dtype == "float32" else "||diff||/||ref|| <= 1e-2"}
     stage = "parity" if dtype == "float32" else "parity_bf16"
-    steps = [lambda: chain_call("prefill 7", 7, [0]),
-             lambda: chain_call("decode", 1, [7]),
-             lambda: chain_call("chain 5 after a rollback of 2", 5, [6]),
+    steps = [lambda: chain_call("prefill 7", 7, 0),
+             lambda: chain_call("decode", 1, 7),
+             lambda: chain_call("chain 5 after a rollback of 2", 5, 6),
              lambda: tree_call("tree 9", 9),
-             lambda: chain_call("chain 17 (uncaptured graph)", 17, [len(seqs[0])])]
+             lambda: chain_call("chain 17 (uncaptured graph)", 17, len(seq))]
     for step in steps:  # each call's result is kept as it comes: a first call compiles for a minute on a GPU
         row["calls"].append(step())
         row["worst_max_abs_diff"] = max(c["max_abs_diff"] for c in row["calls"])

@@ -254,6 +254,14 @@ def greedy_steps(engine, row: int, token: int, position: int, steps: int, on_tok
     return forward_greedy_steps(engine, row, token, position, steps, on_token)
 
 
+def check_greedy_steps(engine, row: int, token: int, position: int, steps: int) -> None:
+    """An engine's own greedy_steps loop checks its calls once, up front, as forward checks each."""
+    check_step_inputs(np.array([[token]]), np.array([[position + steps - 1]]), max_batch=engine.max_batch,
+                      max_seq_len=engine.max_seq_len, vocab_size=engine.vocab_size, first_row=row)
+    if position < 0:
+        raise ValueError("position_ids must be non-negative")
+
+
 def forward_greedy_steps(engine, row: int, token: int, position: int, steps: int, on_token) -> tuple[int, float]:
     """greedy_steps as a loop over ``engine.forward``: what an engine's own loop must equal."""
     seconds = 0.0

@@ -17,7 +17,7 @@ import numpy as np
 
 from ..exporter.contract import max_call_tokens, slots_by_input
 from ..exporter.contract import HIDDEN_STATES, TREE_MASK
-from .base import CallGuard, SavedPrefix, chain_mask, check_call, check_step_inputs, path_moves, ring_rows
+from .base import CallGuard, SavedPrefix, chain_mask, check_call, check_greedy_steps, path_moves, ring_rows
 
 _NP_DTYPES = {"float32": np.float32, "float16": np.float16}
 
@@ -221,10 +221,7 @@ class OnnxRuntimeEngine:
         the token and its position into the bound inputs, runs, and takes the argmax (checked once, up front)."""
         if steps < 1:
             return 0, 0.0
-        check_step_inputs(np.array([[token]]), np.array([[position + steps - 1]]), max_batch=self.max_batch,
-                          max_seq_len=self.max_seq_len, vocab_size=self.vocab_size, first_row=row)
-        if position < 0:
-            raise ValueError("position_ids must be non-negative")
+        check_greedy_steps(self, row, token, position, steps)
         seconds = 0.0
         clock = time.perf_counter
         with self._guard:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..engines.base import (CallGuard, SavedPrefix, chain_mask, check_call, check_step_inputs, forward_greedy_steps,
+from ..engines.base import (CallGuard, SavedPrefix, chain_mask, check_call, check_greedy_steps, forward_greedy_steps,
                             path_moves, ring_rows)
 from ..exporter.contract import max_call_tokens
 from ..errors import BackendUnavailableError
@@ -131,10 +131,7 @@ class TorchEngine:
 
         if row or self._rings is not None or self.features_size or steps < 1:
             return forward_greedy_steps(self, row, token, position, steps, on_token)
-        check_step_inputs(np.array([[token]]), np.array([[position + steps - 1]]), max_batch=self.max_batch,
-                          max_seq_len=self.max_seq_len, vocab_size=self.vocab_size, first_row=row)
-        if position < 0:
-            raise ValueError("position_ids must be non-negative")
+        check_greedy_steps(self, row, token, position, steps)
         dev = self.device
         positions = torch.arange(position, position + steps, device=dev).view(-1, 1, 1)
         tree = torch.ones((1, 1, 1), dtype=torch.bool, device=dev) if self.tree_verify else None

@@ -85,7 +85,8 @@ def _from_export(path: Path, max_seq_len, max_batch, dtype, tree, hidden_states)
 def _load(model_dir: Path, path: Path, tokenizer_rel: str, max_seq_len: int, max_batch: int, dtype: str, *,
           max_call_tokens: int | None = None, ring_cache: bool = True, tree: bool = False,
           hidden_states=None) -> Source:
-    config, spec, tokenizer, generation_config, hf = load_for_step(model_dir, max_seq_len, max_batch, dtype, TORCH_DTYPES)
+    config, spec, tokenizer, generation_config, hf = load_for_step(model_dir, max_seq_len, max_batch, dtype,
+                                                                   TORCH_DTYPES)
     model = model_description(spec, config, generation_config, tokenizer, hf, max_seq_len, max_batch, dtype,
                               max_call_tokens=max_call_tokens, ring_cache=ring_cache)
     describe_tree_and_features(model, spec, tree, hidden_states)
