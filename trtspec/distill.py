@@ -192,7 +192,10 @@ def frozen_teacher(target):
     import torch
     from transformers import AutoModelForCausalLM
 
-    teacher = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    from .exporter.gguf import hf_source
+
+    folder, source = hf_source(target)
+    teacher = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **source).eval()
     for p in teacher.parameters():
         p.requires_grad_(False)
     return teacher
@@ -312,15 +315,19 @@ def distill(target, out, data, *, heldout=None, pattern: str = "*.py", layers: i
         raise DistillError(f"sampled_fraction must be in [0, 1), got {sampled_fraction}")
     if seq < 8 or batch < 1:
         raise DistillError(f"seq must be >= 8 and batch >= 1 (got seq {seq}, batch {batch})")
-    if not (target / "config.json").is_file():
-        raise UnsupportedModelError(f"{target} has no config.json; pass the target's Hugging Face model directory")
-    target_config = AutoConfig.from_pretrained(target)
+    from .exporter.gguf import hf_source
+
+    folder, source = hf_source(target)
+    if not source and not (target / "config.json").is_file():
+        raise UnsupportedModelError(f"{target} has no config.json; pass the target's Hugging Face model directory "
+                                    "or GGUF file")
+    target_config = AutoConfig.from_pretrained(folder, **source)
     from .exporter.architectures import arch_spec
 
     spec = arch_spec(target_config)  # unknown families are refused here, before any work
     _check_out_dir(out)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(target)
+        tokenizer = AutoTokenizer.from_pretrained(folder, **source)
     except (OSError, ValueError, TypeError) as e:
         raise UnsupportedModelError(f"{target} has no usable tokenizer ({type(e).__name__}); the draft must share "
                                     f"the target's, so save it into {target} first") from None

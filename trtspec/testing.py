@@ -116,6 +116,114 @@ def make_tiny_model(arch: str, out_dir: str | os.PathLike, *, seed: int = 0, **o
     return out_dir
 
 
+# GGUF block layouts (bytes per 32 weights, 256 for Q4_K) and the tiny GGUF model's layers' types: every type the
+# export keeps, packed groups of equal and of different kinds, and one it does not keep (Q5_0).
+_GGUF_LAYER_TYPES = (
+    {"attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q4_K", "attn_output": "Q8_0",
+     "ffn_gate": "Q4_0", "ffn_up": "Q4_1", "ffn_down": "Q4_K"},
+    {"attn_q": "Q4_1", "attn_k": "Q4_1", "attn_v": "Q4_1", "attn_output": "Q4_1",
+     "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q5_0"},
+)
+
+
+def gguf_blocks(type_name: str, n: int, k: int, rng) -> "np.ndarray":
+    """Random but well-formed GGUF blocks of ``type_name`` for an [n, k] tensor: codes uniform, scales of a
+    trained model's size (fp16, positive; Q4_1's minimum and Q4_K's dmin too), as bytes [n, row bytes]."""
+    import numpy as np
+
+    def f16(shape, low, high):
+        return rng.uniform(low, high, shape).astype(np.float16).view(np.uint8).reshape(*shape[:-1], -1)
+
+    if type_name == "Q5_0":
+        import gguf
+
+        return gguf.quants.quantize(rng.normal(0, 0.05, (n, k)).astype(np.float32), gguf.GGMLQuantizationType.Q5_0)
+    if type_name == "Q4_K":
+        nb = n * k // 256
+        b = np.concatenate([f16((nb, 1), 0.0005, 0.002), f16((nb, 1), 0.0005, 0.002),
+                            rng.integers(0, 256, (nb, 140), dtype=np.uint8)], axis=1)
+        return b.reshape(n, -1)
+    nb = n * k // 32
+    d = f16((nb, 1), 0.002, 0.02)
+    if type_name == "Q4_0":
+        b = np.concatenate([d, rng.integers(0, 256, (nb, 16), dtype=np.uint8)], axis=1)
+    elif type_name == "Q4_1":
+        b = np.concatenate([d, f16((nb, 1), -0.15, -0.02), rng.integers(0, 256, (nb, 16), dtype=np.uint8)], axis=1)
+    elif type_name == "Q8_0":
+        b = np.concatenate([d * 0 + f16((nb, 1), 0.0002, 0.002), rng.integers(0, 256, (nb, 32), dtype=np.uint8)], axis=1)
+    else:
+        raise ValueError(type_name)
+    return b.reshape(n, -1)
+
+
+def make_tiny_gguf(path: str | os.PathLike, *, seed: int = 0, tied: bool = True) -> Path:
+    """A 2-layer Llama as a GGUF file, as llama.cpp writes one: blocks of several types (_GGUF_LAYER_TYPES),
+    the query/key rows in llama.cpp's rotary order (the reader must undo it), a Q8_0 embedding (the head too when
+    ``tied``), a byte-level BPE tokenizer with a chat template."""
+    import gguf
+    import numpy as np
+
+    path = Path(path)
+    rng = np.random.default_rng(seed)
+    tokenizer = make_tokenizer()
+    vocab = tokenizer.get_vocab()
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    import json
+
+    merges = [" ".join(m) if not isinstance(m, str) else m
+              for m in json.loads(tokenizer.backend_tokenizer.to_str())["model"]["merges"]]
+    hidden, ffn, heads, kv_heads, layers = 256, 512, 4, 2, 2
+    vocab_size = 32 * ((len(tokens) + 32) // 32)
+    # transformers' GGUF tokenizer adds <|endoftext|> where the list lacks it
+    tokens += [f"<unused{i}>" for i in range(vocab_size - len(tokens) - 1)] + ["<|endoftext|>"]
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_name("tiny-llama")
+    w.add_block_count(layers)
+    w.add_context_length(256)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_dimension_count(hidden // heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(vocab_size)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.CONTROL if t in ("<pad>", "<s>", "</s>", "<|endoftext|>") else gguf.TokenType.NORMAL
+                       for t in tokens])
+    w.add_token_merges(merges)
+    w.add_bos_token_id(vocab["<s>"])
+    w.add_eos_token_id(vocab["</s>"])
+    w.add_pad_token_id(vocab["<pad>"])
+    w.add_chat_template("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+                        "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
+    q8 = gguf.GGMLQuantizationType.Q8_0
+
+    def add(name, type_name, n, k):
+        w.add_tensor(name, gguf_blocks(type_name, n, k, rng), raw_dtype=gguf.GGMLQuantizationType[type_name])
+
+    add("token_embd.weight", "Q8_0", vocab_size, hidden)
+    if not tied:
+        add("output.weight", "Q8_0", vocab_size, hidden)
+    w.add_tensor("output_norm.weight", rng.uniform(0.8, 1.2, hidden).astype(np.float32))
+    shapes = {"attn_q": (hidden, hidden), "attn_k": (hidden // heads * kv_heads, hidden),
+              "attn_v": (hidden // heads * kv_heads, hidden), "attn_output": (hidden, hidden),
+              "ffn_gate": (ffn, hidden), "ffn_up": (ffn, hidden), "ffn_down": (hidden, ffn)}
+    for i, types in enumerate(_GGUF_LAYER_TYPES[:layers]):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", rng.uniform(0.8, 1.2, hidden).astype(np.float32))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", rng.uniform(0.8, 1.2, hidden).astype(np.float32))
+        for part, (n, k) in shapes.items():
+            add(f"blk.{i}.{part}.weight", types[part], n, k)
+    del q8
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 if __name__ == "__main__":
     import argparse
 

@@ -15,7 +15,9 @@ def build(export_dir: str | os.PathLike, out_dir: str | os.PathLike, *, backend:
     """Build an engine artifact for ``backend`` from an export artifact; returns out_dir.
 
     ``options``: for onnxruntime, ``fuse_qdq`` (default True: quantized weights run
-    in onnxruntime's quantized kernels) and ``fusion`` (default True: the graph lowered to onnxruntime's
+    in onnxruntime's quantized kernels), ``weights`` (an export of a GGUF file: "gguf", the default, runs the
+    file's own quantized blocks; "float" its dequantized float graph; ``int8_activations``: those blocks' MatMulNBits
+    with int8 activations, faster, but no longer token for token under speculation) and ``fusion`` (default True: the graph lowered to onnxruntime's
     fused CPU kernels, see builder/ort_lowering.py; False keeps the plain graph); for TensorRT, max_prefill, verify_tokens,
     max_batch, workspace_mib, timing_cache (see builder.tensorrt.build_tensorrt).
     """
@@ -24,7 +26,7 @@ def build(export_dir: str | os.PathLike, out_dir: str | os.PathLike, *, backend:
     if manifest["format"] != EXPORT_FORMAT:
         raise ArtifactError(f"{export_dir} is a built engine, not an export; pass the export/ directory it came from")
     if backend == "onnxruntime":
-        foreign = sorted(set(options) - {"fuse_qdq", "fusion"})
+        foreign = sorted(set(options) - {"fuse_qdq", "fusion", "weights", "int8_activations"})
         if foreign:
             raise ValueError(f"build options {', '.join(foreign)} apply only to --backend tensorrt; drop them or pass --backend tensorrt")
         from .onnxruntime import build_onnxruntime
@@ -35,6 +37,11 @@ def build(export_dir: str | os.PathLike, out_dir: str | os.PathLike, *, backend:
             raise ValueError("--no-qdq-fusion applies only to --backend onnxruntime; TensorRT places Q/DQ itself")
         if "fusion" in options:
             raise ValueError("--no-fusion applies only to --backend onnxruntime; TensorRT fuses the graph itself")
+        if options.pop("int8_activations", False):
+            raise ValueError("--int8-activations applies only to --backend onnxruntime (its MatMulNBits kernel)")
+        if options.pop("weights", "float") != "float":
+            raise ValueError("--weights gguf (the GGUF's own blocks, as onnxruntime's MatMulNBits) applies only to "
+                             "--backend onnxruntime; TensorRT builds the export's float graph: pass --weights float")
         from .tensorrt import build_tensorrt
 
         return build_tensorrt(export_dir, manifest, Path(out_dir), **options)

@@ -13,6 +13,7 @@ the Q/DQ form TensorRT reads; the manifest records which kernels the engine got.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import shutil
 import time
@@ -51,8 +52,32 @@ def _decode_graph(tmp: Path, graph: str, model: dict) -> dict:
     return made
 
 
+def _gguf_weights(model, export_dir: Path, export_manifest: dict, int8_activations: bool) -> dict:
+    """A GGUF export's linear layers on the file's own blocks (ort_lowering.gguf_linears), the others quantized
+    to 4 bits here; returns the engine manifest's "quantization" section."""
+    import numpy as np
+
+    from .ort_lowering import GGUF_ACCURACY_LEVEL, gguf_linears, requantize_linears
+
+    section = export_manifest["gguf"]
+    level = MATMUL_NBITS_ACCURACY_LEVEL if int8_activations else GGUF_ACCURACY_LEVEL
+    kept, not_kept = section.get("kept", {}), section.get("not_kept", {})
+    with np.load(export_dir / section["blocks"]) if kept else contextlib.nullcontext({}) as arrays:
+        made = gguf_linears(model, arrays, kept, accuracy_level=level)
+    fired = sum(map(len, made.values()))
+    errors = requantize_linears(model, set(not_kept), accuracy_level=level)
+    types = collections.Counter(info["type"] for info in kept.values())
+    log.info("GGUF blocks: %d linear layers on the file's own codes (%s)%s", fired,
+             ", ".join(f"{k} x{v}" for k, v in sorted(types.items())) or "none",
+             f"; {len(errors)} quantized to 4 bits here (relative weight error up to {max(errors.values()):.2%})"
+             if errors else "")
+    return {"mode": "gguf", "block_size": 32, "weights": dict(types), "activations": None,
+            "kept": fired, "requantized": errors,
+            "matmul_nbits_accuracy_level": {"4-bit": level, "8-bit": MATMUL_NBITS_ACCURACY_LEVEL}, "packed": {k: v for k, v in made.items() if len(v) > 1}}
+
+
 def build_onnxruntime(export_dir: Path, export_manifest: dict, out_dir: Path, *, fuse_qdq: bool = True,
-                      fusion: bool = True) -> Path:
+                      fusion: bool = True, weights: str | None = None, int8_activations: bool = False) -> Path:
     import onnx
     import onnx_ir as ir
     import onnxruntime as ort
@@ -64,6 +89,13 @@ def build_onnxruntime(export_dir: Path, export_manifest: dict, out_dir: Path, *,
     # fused builds keep their weights in a file of their own, which the decode graph shares
     external = f"{graph}.data" in export_manifest["files"] or fusion
     quantization = export_manifest.get("quantization")
+    if weights not in (None, "gguf", "float"):
+        raise ValueError(f"weights must be 'gguf' or 'float', got {weights!r}")
+    if weights is not None and "gguf" not in export_manifest:
+        raise ValueError("--weights applies only to exports of a GGUF file (their own blocks, or float); drop it")
+    gguf = "gguf" in export_manifest and weights != "float"
+    if int8_activations and not gguf:
+        raise ValueError("--int8-activations applies only to a GGUF export's default build (--weights gguf)")
     if quantization is None and not fuse_qdq:
         raise ValueError("--no-qdq-fusion applies only to quantized exports (made by `trtspec quantize`); drop it")
     fuse = fuse_qdq and fuses_qdq(export_manifest)
@@ -84,8 +116,13 @@ def build_onnxruntime(export_dir: Path, export_manifest: dict, out_dir: Path, *,
     }
     if quantization is not None:
         manifest["quantization"] = {k: quantization[k] for k in ("mode", "block_size", "weights", "activations")}
+    if "gguf" in export_manifest:
+        build["weights"] = "gguf" if gguf else "float"
     with atomic_artifact(out_dir, manifest) as tmp:
         model = ir.load(export_dir / graph)
+        if gguf:
+            quantization = manifest["quantization"] = _gguf_weights(model, export_dir, export_manifest,
+                                                                    int8_activations)
         build["rewrites"] = lower(model, fuse_qdq=fuse, fusion=fusion)
         log.info("onnxruntime lowering: %s", ", ".join(f"{k} x{v}" for k, v in build["rewrites"].items()) or "nothing to rewrite")
         data = f"{graph}.data" if external else None

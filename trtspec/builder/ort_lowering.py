@@ -107,8 +107,8 @@ def _const(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
     return value
 
 
-def _op(graph: ir.Graph, anchor: ir.Node, op: str, inputs, name: str, **attributes) -> ir.Value:
-    node = ir.node(op, inputs, attributes=attributes, name=name)
+def _op(graph: ir.Graph, anchor: ir.Node, op: str, inputs, name: str, domain: str = "", **attributes) -> ir.Value:
+    node = ir.node(op, inputs, attributes=attributes, name=name, domain=domain)
     graph.insert_before(anchor, node)
     return node.outputs[0]
 
@@ -413,6 +413,126 @@ def packed_gate_up(model: ir.Model) -> int:
     time (tied 27.8M and bundled INT4 targets, 20 interleaved repetitions; a 4-token call 1.00-1.03x; float32
     unchanged within 0.3 %)."""
     return _pack_matmuls(model.graph, ("gate_proj", "up_proj"), kinds=("float",))
+
+
+# ---- a GGUF export's own blocks (exporter/gguf.py) ----------------------------------------------------------------
+
+# Layers of one input packed into one MatMulNBits (and one minimums' MatMul), as packed_qkv packs float weights.
+# gate/up only where they have minimums: packed, two MatMulNBits cost about what they cost apart (packed_gate_up),
+# but the minimums' MatMul and Add are saved.
+GGUF_PACKED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+# MatMulNBits' accuracy level for the 4-bit layers: 0 computes in float32 from the exact weights. Level 4 (int8
+# activations, as llama.cpp's Q8 dot products) was faster, but an int8 rounding turns the float noise between a
+# one-token and a several-token call (1e-7) into logit differences of 0.1 and more over 30 layers: speculative
+# decoding then no longer reproduced the engine's own greedy output (SmolLM2, 1 prompt of 4). SmolLM2's decode call:
+# 10.2 ms at level 0, 8.5 at level 4; a 5-token call 25.6 vs 15.2 ms (`build --int8-activations` chooses level 4).
+# The 8-bit head keeps level 4 (level 0 takes a float32 fallback 270x slower here), so it rounds its input once.
+GGUF_ACCURACY_LEVEL = 0
+
+
+def _gguf_weight(graph: ir.Graph, node: ir.Node) -> ir.Value | None:
+    """The constant (or Transpose of a constant) a linear MatMul reads, to drop once replaced."""
+    w = node.inputs[1]
+    if w.const_value is not None:
+        return w
+    producer = w.producer()
+    return producer.outputs[0] if producer is not None and producer.op_type == "Transpose" else None
+
+
+def _block_sums(graph: ir.Graph, anchor: ir.Node, x: ir.Value, k: int, cache: dict) -> ir.Value:
+    """x [..., K] -> the sum of each block of 32 along K [..., K/32] (one MatMul with a 0/1 block matrix)."""
+    if id(x) not in cache:
+        indicator = np.kron(np.eye(k // 32, dtype=np.float32), np.ones((32, 1), np.float32))  # [K, K/32]
+        cache[id(x)] = _op(graph, anchor, "MatMul", [x, _const(graph, f"gguf.block_sum.{k}", indicator)],
+                           f"{anchor.name}/block_sums")
+    return cache[id(x)]
+
+
+def _family(name: str, minimums: bool) -> tuple[int, int] | None:
+    """(which GGUF_PACKED family, the position in it) of a layer that packs with others, else None."""
+    for f, family in enumerate(GGUF_PACKED):
+        for i, suffix in enumerate(family):
+            if name.endswith(suffix) and (f == 0 or minimums):
+                return f, i
+    return None
+
+
+def gguf_linears(model: ir.Model, arrays, kept: dict[str, dict], accuracy_level: int = GGUF_ACCURACY_LEVEL
+                 ) -> dict[str, list[str]]:
+    """Each linear layer a GGUF export kept blocks for -> ``MatMulNBits`` over the file's own codes and scales
+    (block 32); where the type has a per-block minimum m (Q4_1, Q4_K), plus ``block_sums(x) @ M^T``, which is
+    sum_i x_i m over each block: the weights the engine computes with are d * q + m exactly. q/k/v of one input
+    become one MatMulNBits and a Split (one kernel launch instead of three). Returns {MatMulNBits node: the
+    layers it computes, in order}."""
+    graph = model.graph
+    found = [n for n in graph if n.op_type == "MatMul" and n.domain == "" and n.name in kept]
+    groups: dict[tuple, list[ir.Node]] = {}
+    for node in found:
+        info = kept[node.name]
+        family = _family(node.name, info["minimums"])
+        key = ((id(node.inputs[0]), family[0], info["bits"], info["zero_point"], info["minimums"]) if family
+               else (id(node),))
+        groups.setdefault(key, []).append(node)
+    sums: dict[int, ir.Value] = {}
+    made = {}
+    for group in groups.values():
+        group.sort(key=lambda n: (_family(n.name, kept[n.name]["minimums"]) or (0, 0))[1])
+        info, x, base = kept[group[0].name], group[0].inputs[0], group[0].name
+        b = np.concatenate([arrays[f"{n.name}/B"] for n in group])
+        scales = np.concatenate([arrays[f"{n.name}/scales"] for n in group])
+        n_out, k = b.shape[0], b.shape[1] * 32
+        inputs = [x, _const(graph, f"{base}/gguf.B", b), _const(graph, f"{base}/gguf.scales", scales.reshape(-1))]
+        if info["bits"] == 4 and info["zero_point"] != 8:  # MatMulNBits' default zero point is 2^(bits-1)
+            zp = np.full(n_out * ((k // 32 + 1) // 2), (info["zero_point"] << 4) | info["zero_point"], np.uint8)
+            inputs.append(_const(graph, f"{base}/gguf.zero_points", zp))
+        anchor = min(group, key=list(graph).index)
+        y = _op(graph, anchor, "MatMulNBits", inputs, f"{base}/gguf", domain=MS, K=k, N=n_out, bits=info["bits"],
+                block_size=32, accuracy_level=accuracy_level if info["bits"] == 4 else MATMUL_NBITS_ACCURACY_LEVEL)
+        if info["minimums"]:
+            m = np.concatenate([arrays[f"{n.name}/minimums"] for n in group])  # [N, K/32]
+            y = _op(graph, anchor, "Add", [y, _op(graph, anchor, "MatMul", [
+                _block_sums(graph, anchor, x, k, sums), _const(graph, f"{base}/gguf.minimums", np.ascontiguousarray(m.T))],
+                f"{base}/gguf_minimums")], f"{base}/gguf_plus_minimums")
+        outs = [y]
+        if len(group) > 1:
+            split = ir.node("Split", [y, _int64(graph, f"{base}/gguf.sizes", [arrays[f"{n.name}/B"].shape[0] for n in group])],
+                            attributes={"axis": -1}, num_outputs=len(group), name=f"{base}/gguf_split")
+            graph.insert_before(anchor, split)
+            outs = list(split.outputs)
+        for node, out in zip(group, outs):
+            w = _gguf_weight(graph, node)
+            _take_over(node.outputs[0], out)
+            graph.remove(node, safe=True)
+            if w is not None and not w.uses():
+                if w.producer() is not None:
+                    graph.remove(w.producer(), safe=True)
+                else:
+                    graph.initializers.pop(w.name, None)
+        made[f"{base}/gguf"] = [n.name for n in group]
+    return made
+
+
+def requantize_linears(model: ir.Model, names, accuracy_level: int = GGUF_ACCURACY_LEVEL) -> dict[str, float]:
+    """Linear layers a GGUF export could not keep (their type has no exact MatMulNBits form) -> 4-bit blocks of 32
+    of our own (round to nearest, symmetric): {layer: relative L2 error of its weights}."""
+    from ..quantization.numerics import dequantize, int4_blocked
+
+    graph, errors = model.graph, {}
+    for node in [n for n in graph if n.op_type == "MatMul" and n.domain == "" and n.name in names]:
+        w = _gguf_weight(graph, node)
+        if w is None or w.const_value is None or len(w.shape) != 2 or w.shape[0] % 32:
+            continue  # a tied head (Transpose) or ragged K: left in float
+        wk = w.const_value.numpy().astype(np.float32)  # [K, N]
+        q, scale = int4_blocked(wk, 32)
+        errors[node.name] = float(np.linalg.norm(dequantize(q, scale, 32) - wk) / max(np.linalg.norm(wk), 1e-30))
+        k, n = wk.shape
+        y = _op(graph, node, "MatMulNBits", [node.inputs[0], _const(graph, f"{node.name}/int4.B", pack_uint4(
+            q.astype(np.int8).T, 32)), _const(graph, f"{node.name}/int4.scales", np.ascontiguousarray(scale.T).reshape(-1))],
+                f"{node.name}/int4", domain=MS, K=k, N=n, bits=4, block_size=32, accuracy_level=accuracy_level)
+        _take_over(node.outputs[0], y)
+        graph.remove(node, safe=True)
+        graph.initializers.pop(w.name, None)
+    return errors
 
 
 # Storage rules (every weight once) run on every build; the fusions only without --no-fusion.

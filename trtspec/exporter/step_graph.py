@@ -123,15 +123,20 @@ def _load_hf(model_dir: Path, dtype: str, max_seq_len: int):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+    from . import gguf
+
+    gguf_file = gguf.find_gguf(model_dir)
+    if gguf_file is not None:
+        config, tokenizer, generation_config, model = gguf.load(gguf_file, dtype)
+        spec = arch_spec(config)
+        _check_longrope(spec, max_seq_len)
+        return config, spec, tokenizer, generation_config, model
     if not (model_dir / "config.json").is_file():
-        raise UnsupportedModelError(f"{model_dir} has no config.json; pass a Hugging Face model directory")
+        raise UnsupportedModelError(f"{model_dir} has no config.json; pass a Hugging Face model directory or a "
+                                    "GGUF file")
     config = AutoConfig.from_pretrained(model_dir)
     spec = arch_spec(config)  # refuse unsupported models before loading any weights
-    if spec.longrope_max_len is not None and max_seq_len > spec.longrope_max_len:
-        raise UnsupportedModelError(
-            f"LongRoPE switches to its long factors for sequences over {spec.longrope_max_len} tokens (the model's "
-            f"original length), which a fixed cache cannot tabulate; use --max-seq-len {spec.longrope_max_len} or less"
-        )
+    _check_longrope(spec, max_seq_len)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     except (OSError, ValueError, TypeError) as e:
@@ -146,6 +151,54 @@ def _load_hf(model_dir: Path, dtype: str, max_seq_len: int):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
     model.eval()
     return config, spec, tokenizer, generation_config, model
+
+
+def _check_longrope(spec, max_seq_len: int) -> None:
+    if spec.longrope_max_len is not None and max_seq_len > spec.longrope_max_len:
+        raise UnsupportedModelError(
+            f"LongRoPE switches to its long factors for sequences over {spec.longrope_max_len} tokens (the model's "
+            f"original length), which a fixed cache cannot tabulate; use --max-seq-len {spec.longrope_max_len} or less"
+        )
+
+
+def _linear_weights(model) -> dict:
+    """{MatMul node name: its constant weight [out, in]} for the graph's named linear layers (a tied head reads
+    the embedding through a Transpose)."""
+    out = {}
+    for node in model.graph.all_nodes():
+        if node.op_type != "MatMul" or "." not in node.name and node.name != "lm_head":
+            continue
+        w = node.inputs[1]
+        if w.const_value is not None and len(w.shape) == 2:
+            out[node.name] = w.const_value.numpy().T
+        elif w.producer() is not None and w.producer().op_type == "Transpose":
+            src = w.producer().inputs[0]
+            if src.const_value is not None and len(src.shape) == 2:
+                out[node.name] = src.const_value.numpy()
+    return out
+
+
+def _keep_gguf_blocks(gguf_file: Path, program, hf, spec, dtype: str) -> tuple[dict, dict]:
+    """The GGUF's blocks for the graph's linear layers (gguf.py): (arrays, the manifest's "gguf" section)."""
+    from ..progress import Progress
+    from . import gguf
+
+    section = {"file": gguf_file.name, "sha256": sha256_file(gguf_file), **gguf.describe(gguf_file)}
+    if dtype != "float32":
+        section["kept"], section["not_kept"] = {}, {"*": f"a {dtype} export: blocks are kept for float32 exports only"}
+        return {}, section
+    linears = _linear_weights(program.model)
+    progress = Progress("checking the GGUF's blocks against the weights", len(linears), "layer", log)
+    arrays, found = gguf.keep_blocks(gguf_file, hf, linears, spec.num_heads, spec.num_kv_heads, progress)
+    progress.close()
+    section.update(found)
+    types: dict[str, int] = {}
+    for info in found["kept"].values():
+        types[info["type"]] = types.get(info["type"], 0) + 1
+    log.info("GGUF blocks kept for %d of %d linear layers (%s)%s", len(found["kept"]), len(linears),
+             ", ".join(f"{k} x{v}" for k, v in sorted(types.items())) or "none",
+             f"; {len(found['not_kept'])} left to the build's own 4-bit quantization" if found["not_kept"] else "")
+    return arrays, section
 
 
 def _batch_size_from_input_ids(model) -> None:
@@ -266,18 +319,29 @@ def export(
     for node in program.model.graph.all_nodes():
         node.metadata_props.clear()  # stack traces with local paths; not part of the artifact
 
+    from . import gguf
+
+    gguf_file = gguf.find_gguf(model_dir)
+    blocks, source = {}, {"model_dir": str(model_dir.resolve())}
+    if gguf_file is None:
+        source["config_sha256"] = sha256_file(model_dir / "config.json")
     manifest = {
         "format": EXPORT_FORMAT,
         "graph": GRAPH_FILE,
         "model": {**model, "opset": OPSET, "inputs": names.inputs, "outputs": names.outputs},
         "config": config.to_dict(),
-        "source": {
-            "model_dir": str(model_dir.resolve()),
-            "config_sha256": sha256_file(model_dir / "config.json"),
-        },
-        "versions": versions("torch", "transformers", "onnx", "onnxscript"),
+        "source": source,
+        "versions": versions("torch", "transformers", "onnx", "onnxscript", *(("gguf",) if gguf_file else ())),
     }
+    if gguf_file is not None:
+        blocks, manifest["gguf"] = _keep_gguf_blocks(gguf_file, program, hf, spec, dtype)
+        source["gguf_sha256"] = manifest["gguf"]["sha256"]
     with atomic_artifact(out_dir, manifest) as tmp:
+        if blocks:
+            import numpy as np
+
+            np.savez(tmp / gguf.BLOCKS_FILE, **blocks)
+            manifest["gguf"]["blocks"] = gguf.BLOCKS_FILE
         graph_path = tmp / GRAPH_FILE
         program.save(graph_path, external_data=model["weight_bytes"] > EXTERNAL_DATA_BYTES)
         onnx.checker.check_model(str(graph_path), full_check=True)

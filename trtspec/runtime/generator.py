@@ -66,6 +66,7 @@ class Generator:
         self.capacity = self.scheduler.capacity
         self.max_batch = self.scheduler.max_batch
         self.num_draft_tokens = self.scheduler.num_draft_tokens
+        self._prompts = None
 
     def generate(self, prompts, max_new_tokens: int = 128, *, temperature: float = 0.0, top_k: int | None = None,
                  top_p: float | None = None, seed: int | None = None, stop=None, **request_options):
@@ -98,11 +99,23 @@ class Generator:
         stats = BatchStats.of(results, before, self.scheduler.stats(), time.perf_counter() - t0, k_chosen)
         return GenerationOutput(results, stats)
 
-    def stream(self, prompt: str, max_new_tokens: int = 128, **kwargs) -> Stream:
-        """Like generate() for one prompt, yielding text deltas as each block of tokens is accepted."""
-        if not isinstance(prompt, str):
-            raise TypeError("stream() takes one prompt string; use generate() for a batch")
+    def stream(self, prompt, max_new_tokens: int = 128, **kwargs) -> Stream:
+        """Like generate() for one prompt (a string or token ids), yielding text deltas as each block of tokens is
+        accepted."""
+        if not isinstance(prompt, str) and not (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
+            raise TypeError("stream() takes one prompt (a string or a list of token ids); use generate() for a batch")
         return Stream(self.scheduler.submit(prompt, max_new_tokens=max_new_tokens, **kwargs))
+
+    def chat_ids(self, messages) -> list[int]:
+        """The prompt of a chat (OpenAI's messages: [{"role": ..., "content": ...}]) in the model's chat template,
+        the messages' content taken as text (as the server does); pass it to generate() or stream()."""
+        from ..server.prompts import PromptEncoder
+
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; give a plain prompt instead")
+        if self._prompts is None:
+            self._prompts = PromptEncoder(self.tokenizer, self.capacity)
+        return self._prompts.chat(list(messages))
 
     def close(self):
         """Stop the scheduler's loop thread (requests still running end as cancelled)."""

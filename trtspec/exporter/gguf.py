@@ -1,0 +1,255 @@
+"""GGUF in: llama.cpp's file as an export source, with its quantized blocks kept for the build.
+
+transformers reads a GGUF (config, tokenizer, chat template, EOS ids) and dequantizes its tensors to floats: the
+export's step graph is that float model, as for any HF directory. Beside it the export keeps, for every linear
+layer stored in a type we can run as it is, the file's own codes in the layout of onnxruntime's ``MatMulNBits``
+(``blocks.npz``), so `build` gives an engine whose weights *are* the file's, not a second rounding of them:
+
+    Q4_0  d * (q - 8)          4-bit codes, zero point 8, scale d         (MatMulNBits' own form)
+    Q4_1  d * q + m            4-bit codes, zero point 0, scale d, and m per block (see the build's ``gguf_linears``)
+    Q4_K  d*sc * q - dmin*mn   4-bit codes per 32, scale d*sc, minimum -dmin*mn (the 256-block's 6-bit sc/mn)
+    Q8_0  d * q                8-bit codes q + 128, zero point 128, scale d
+
+every one per block of 32 weights along the input axis, which is MatMulNBits' blocking. The minimum of Q4_1/Q4_K
+has no place in MatMulNBits' integer zero point; its float zero point takes it, but onnxruntime 1.32 runs that
+form 35x slower (dequantize, then a float GEMM: 730 vs 21 us for a 1536x576 layer), so the build adds the
+minimum's term as ``blocksum(x) @ M^T`` instead, the exact rewrite of sum_i x_i (d q_i + m) that llama.cpp's own
+Q4_1 dot product uses. Each kept tensor is checked at export: its codes, scales and minimums, put together as the
+engine reads them, equal the float weights transformers dequantized, bit for bit, after llama.cpp's permutation
+of the query/key rows is undone (found by trying it, not assumed). Other types (Q5_*, Q6_K, IQ*) are not kept:
+the build quantizes their float weights to 4 bits itself and records the error.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import UnsupportedModelError
+
+log = logging.getLogger("trtspec.export")
+
+BLOCK = 32  # weights per block along the input axis, for every kept type
+BLOCKS_FILE = "blocks.npz"
+KEPT_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q8_0")
+
+
+def find_gguf(path: Path) -> Path | None:
+    """The GGUF file ``path`` names: the file itself, or the one .gguf in a directory without config.json."""
+    if path.is_file():
+        if path.suffix.lower() == ".gguf":
+            return path
+        with open(path, "rb") as f:
+            return path if f.read(4) == b"GGUF" else None
+    if not path.is_dir() or (path / "config.json").is_file():
+        return None
+    files = sorted(path.glob("*.gguf"))
+    if len(files) > 1:
+        raise UnsupportedModelError(f"{path} holds {len(files)} GGUF files ({', '.join(f.name for f in files)}); "
+                                    "pass the one to export")
+    return files[0] if files else None
+
+
+def hf_source(path) -> tuple[Path, dict]:
+    """(folder, keyword arguments) for transformers' from_pretrained: an HF directory as it is, or a GGUF file
+    (or a directory holding one) as its folder and ``gguf_file``."""
+    path = Path(path)
+    found = find_gguf(path)
+    return (path, {}) if found is None else (found.parent, {"gguf_file": found.name})
+
+
+def _reader(path: Path):
+    try:
+        import gguf
+    except ImportError:
+        raise UnsupportedModelError("reading a GGUF file needs the gguf and accelerate packages: "
+                                    "pip install 'trtspec[gguf]'") from None
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # the reader raises ValueError/struct.error/IndexError on a foreign or cut file
+        raise UnsupportedModelError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
+
+
+def describe(path: Path) -> dict:
+    """The file's architecture and what its tensors are stored as, e.g. {"Q4_1": 210, "F32": 61, "Q8_0": 1}."""
+    reader = _reader(path)
+    types: dict[str, int] = {}
+    for t in reader.tensors:
+        types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
+    arch = reader.fields.get("general.architecture")
+    return {"architecture": arch.contents() if arch is not None else None, "tensor_types": types}
+
+
+def load(path: Path, dtype: str):
+    """(config, tokenizer, generation_config, float model) from a GGUF file, through transformers."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        import accelerate  # noqa: F401  transformers' GGUF loader needs it
+    except ImportError:
+        raise UnsupportedModelError("reading a GGUF file needs the gguf and accelerate packages: "
+                                    "pip install 'trtspec[gguf]'") from None
+    info = describe(path)
+    folder, name = path.parent, path.name
+    try:
+        config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    except ValueError as e:  # transformers: "GGUF model with architecture X is not supported yet."
+        raise UnsupportedModelError(f"{path}: architecture {info['architecture']!r} cannot be read from GGUF by "
+                                    f"transformers ({e})") from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    except (ValueError, KeyError, OSError) as e:
+        raise UnsupportedModelError(f"{path}: its tokenizer cannot be read ({type(e).__name__}: {e})") from None
+    log.info("dequantizing %s (%s)", path, ", ".join(f"{k} x{v}" for k, v in sorted(info["tensor_types"].items())))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=getattr(torch, dtype))
+    except (ValueError, NotImplementedError, KeyError) as e:
+        raise UnsupportedModelError(f"{path}: transformers cannot load its weights ({type(e).__name__}: {e}); "
+                                    f"tensor types {info['tensor_types']}") from None
+    model.eval()
+    return config, tokenizer, None, model
+
+
+# ---- the file's codes in MatMulNBits' layout -------------------------------------------------------------------
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """[..., 16] bytes of a 32-weight block, ggml's order (weight j in byte j's low nibble, j + 16 in its high
+    nibble) -> the 32 codes [..., 32]."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)
+
+
+def unpack(type_name: str, raw: np.ndarray, n: int, k: int) -> dict:
+    """One tensor's blocks (``raw``: its bytes, [n, bytes per row]) -> codes [n, k] (uint8), scales [n, k/32]
+    (float32), zero_point (int) and minimums [n, k/32] (float32, or None): weight = scale * (code - zero_point)
+    + minimum, per block of 32 along k."""
+    raw = np.asarray(raw, dtype=np.uint8).reshape(n, -1)
+    if type_name == "Q4_0":
+        b = raw.reshape(n, k // 32, 18)
+        return {"codes": _nibbles(b[..., 2:]).reshape(n, k), "scales": _f16(b[..., 0:2]), "zero_point": 8,
+                "minimums": None, "bits": 4}
+    if type_name == "Q4_1":
+        b = raw.reshape(n, k // 32, 20)
+        return {"codes": _nibbles(b[..., 4:]).reshape(n, k), "scales": _f16(b[..., 0:2]), "zero_point": 0,
+                "minimums": _f16(b[..., 2:4]), "bits": 4}
+    if type_name == "Q8_0":
+        b = raw.reshape(n, k // 32, 34)
+        codes = (b[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        return {"codes": codes.reshape(n, k), "scales": _f16(b[..., 0:2]), "zero_point": 128, "minimums": None,
+                "bits": 8}
+    if type_name == "Q4_K":
+        from gguf.quants import Q4_K
+
+        b = raw.reshape(n * (k // 256), 144)
+        d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+        sc, mn = Q4_K.get_scale_min(b[:, 4:16])
+        scales = (d[:, None] * sc.astype(np.float32)).reshape(n, k // 32)
+        minimums = -(dmin[:, None] * mn.astype(np.float32)).reshape(n, k // 32)
+        qs = b[:, 16:].reshape(-1, 4, 32)  # 4 x 32 bytes: sub-blocks 2j (low nibbles) and 2j + 1 (high)
+        codes = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(n, k)
+        return {"codes": codes, "scales": scales, "zero_point": 0, "minimums": minimums, "bits": 4}
+    raise ValueError(f"GGUF type {type_name} is not kept as it is; choose one of {', '.join(KEPT_TYPES)}")
+
+
+def weights_of(blocks: dict) -> np.ndarray:
+    """The float weights [n, k] the engine computes with: scale * (code - zero_point) [+ minimum], the arithmetic
+    of gguf's own dequantize()."""
+    n, k = blocks["codes"].shape
+    codes = blocks["codes"].reshape(n, k // BLOCK, BLOCK).astype(np.float32) - np.float32(blocks["zero_point"])
+    w = blocks["scales"][..., None] * codes
+    if blocks["minimums"] is not None:
+        w = w + blocks["minimums"][..., None]
+    return w.reshape(n, k)
+
+
+def pack(blocks: dict) -> np.ndarray:
+    """MatMulNBits' B [n, k/32, 32 * bits / 8]: 4-bit codes two a byte, low nibble first."""
+    n, k = blocks["codes"].shape
+    codes = blocks["codes"]
+    if blocks["bits"] == 4:
+        codes = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return np.ascontiguousarray(codes.astype(np.uint8).reshape(n, k // BLOCK, -1))
+
+
+def unpack_b(b: np.ndarray, bits: int) -> np.ndarray:
+    """pack()'s inverse: MatMulNBits' B [n, k/32, .] -> codes [n, k]."""
+    n = b.shape[0]
+    if bits == 8:
+        return b.reshape(n, -1)
+    return np.stack([b & 0x0F, b >> 4], axis=-1).reshape(n, -1)
+
+
+def _row_orders(n: int, num_heads: int, num_kv_heads: int) -> list[tuple[str, np.ndarray | None]]:
+    """Row orders a GGUF tensor may need: as stored, or with llama.cpp's rotary permutation of q/k undone."""
+    orders: list[tuple[str, np.ndarray | None]] = [("as stored", None)]
+    for heads in dict.fromkeys((num_heads, num_kv_heads)):
+        if heads and n % (2 * heads) == 0:
+            half = n // heads // 2
+            rows = np.arange(n).reshape(heads, half, 2).swapaxes(2, 1).reshape(n)
+            orders.append((f"rotary rows of {heads} heads restored", rows))
+    return orders
+
+
+def keep_blocks(path: Path, hf, linears: dict[str, np.ndarray], num_heads: int, num_kv_heads: int,
+                progress=None) -> tuple[dict[str, np.ndarray], dict]:
+    """The file's blocks for the graph's linear layers.
+
+    ``linears``: {graph node name: its float weight [out, in] as the graph holds it}. Returns (arrays for
+    BLOCKS_FILE, the manifest's description): kept layers by type, and the others with why."""
+    from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
+
+    reader = _reader(path)
+    to_hf = get_gguf_hf_weights_map(hf, TensorProcessor())
+    tensors = {to_hf.get(t.name): t for t in reader.tensors}
+    tied = getattr(hf.config, "tie_word_embeddings", False)
+    embed = hf.get_input_embeddings().weight
+    arrays: dict[str, np.ndarray] = {}
+    kept: dict[str, dict] = {}
+    others: dict[str, str] = {}
+    names = {n for n, _ in hf.named_parameters(remove_duplicate=False)}
+    for i, (node, w) in enumerate(linears.items()):
+        if progress is not None:
+            progress.update(i, node)
+        hf_name = next((p for p in names if p == f"{node}.weight" or p.endswith(f".{node}.weight")), None)
+        if hf_name not in tensors and node == "lm_head" and tied:
+            hf_name = next(p for p, v in hf.named_parameters() if v is embed)
+        t = tensors.get(hf_name)
+        if t is None:
+            others[node] = "no tensor of the file found for it"
+            continue
+        type_name = t.tensor_type.name
+        n, k = w.shape
+        if type_name not in KEPT_TYPES:
+            others[node] = f"{type_name}: not a type kept as it is"
+            continue
+        if k % (256 if type_name == "Q4_K" else BLOCK):
+            others[node] = f"{type_name}: input size {k} is not a whole number of blocks"
+            continue
+        blocks = unpack(type_name, t.data, n, k)
+        deq = weights_of(blocks)
+        for how, rows in _row_orders(n, num_heads, num_kv_heads):
+            if np.array_equal(deq if rows is None else deq[rows], w):
+                break
+        else:
+            others[node] = (f"{type_name}: its dequantized blocks differ from the weights transformers loaded "
+                            "(in every known row order)")
+            continue
+        if rows is not None:
+            blocks = {**blocks, "codes": blocks["codes"][rows], "scales": blocks["scales"][rows],
+                      "minimums": None if blocks["minimums"] is None else blocks["minimums"][rows]}
+        arrays[f"{node}/B"] = pack(blocks)
+        arrays[f"{node}/scales"] = np.ascontiguousarray(blocks["scales"])
+        if blocks["minimums"] is not None:
+            arrays[f"{node}/minimums"] = np.ascontiguousarray(blocks["minimums"])
+        kept[node] = {"type": type_name, "tensor": t.name, "bits": blocks["bits"],
+                      "zero_point": blocks["zero_point"], "minimums": blocks["minimums"] is not None,
+                      "rows": how}
+    if progress is not None:
+        progress.update(len(linears))
+    return arrays, {"kept": kept, "not_kept": others}
