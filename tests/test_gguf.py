@@ -186,6 +186,27 @@ def test_gguf_greedy_speculation_equals_the_engine_alone(tiny):
         gen.close()
 
 
+def test_a_qwen2_gguf_keeps_its_rows_as_stored_and_its_biases(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = make_tiny_gguf(tmp_path / "qwen2.gguf", arch="qwen2", seed=3)
+    exp = export(path, tmp_path / "export", max_seq_len=32, max_batch=1)
+    kept = json.loads((exp / "manifest.json").read_text())["gguf"]["kept"]
+    assert {info["rows"] for info in kept.values()} == {"as stored"}
+    engine, float_engine = build(exp, tmp_path / "engine"), build(exp, tmp_path / "float", weights="float")
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    weights = _engine_weights(engine)
+    for layer, info in kept.items():
+        assert np.array_equal(weights[layer], _dequantize(tensors[info["tensor"]])), layer
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    ids = [1, 40, 41, 42, 60, 61, 62]
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].numpy()
+    assert hf.config.model_type == "qwen2" and hf.model.layers[0].self_attn.q_proj.bias is not None
+    assert np.abs(_logits(float_engine, ids) - ref).max() <= 1e-4 * max(1.0, np.abs(ref).max())
+
+
 def test_tokenizer_chat_template_and_eos_come_from_the_file(tiny):
     from transformers import AutoTokenizer
 

@@ -156,10 +156,11 @@ def gguf_blocks(type_name: str, n: int, k: int, rng) -> "np.ndarray":
     return b.reshape(n, -1)
 
 
-def make_tiny_gguf(path: str | os.PathLike, *, seed: int = 0, tied: bool = True) -> Path:
-    """A 2-layer Llama as a GGUF file, as llama.cpp writes one: blocks of several types (_GGUF_LAYER_TYPES),
-    the query/key rows in llama.cpp's rotary order (the reader must undo it), a Q8_0 embedding (the head too when
-    ``tied``), a byte-level BPE tokenizer with a chat template."""
+def make_tiny_gguf(path: str | os.PathLike, *, seed: int = 0, tied: bool = True, arch: str = "llama") -> Path:
+    """A 2-layer model as a GGUF file, as llama.cpp writes one: blocks of several types (_GGUF_LAYER_TYPES), a
+    Q8_0 embedding (the head too when ``tied``), a byte-level BPE tokenizer with a chat template. ``arch``
+    "llama": transformers undoes a rotary permutation of the query/key rows (llama.cpp's layout), which the export
+    must find; "qwen2": rows as stored, and float32 biases on q/k/v."""
     import gguf
     import numpy as np
 
@@ -176,7 +177,9 @@ def make_tiny_gguf(path: str | os.PathLike, *, seed: int = 0, tied: bool = True)
     vocab_size = 32 * ((len(tokens) + 32) // 32)
     # transformers' GGUF tokenizer adds <|endoftext|> where the list lacks it
     tokens += [f"<unused{i}>" for i in range(vocab_size - len(tokens) - 1)] + ["<|endoftext|>"]
-    w = gguf.GGUFWriter(path, "llama")
+    if arch not in ("llama", "qwen2"):
+        raise ValueError(f"arch must be llama or qwen2, got {arch!r}")
+    w = gguf.GGUFWriter(path, arch)
     w.add_name("tiny-llama")
     w.add_block_count(layers)
     w.add_context_length(256)
@@ -216,6 +219,8 @@ def make_tiny_gguf(path: str | os.PathLike, *, seed: int = 0, tied: bool = True)
         w.add_tensor(f"blk.{i}.ffn_norm.weight", rng.uniform(0.8, 1.2, hidden).astype(np.float32))
         for part, (n, k) in shapes.items():
             add(f"blk.{i}.{part}.weight", types[part], n, k)
+            if arch == "qwen2" and part in ("attn_q", "attn_k", "attn_v"):
+                w.add_tensor(f"blk.{i}.{part}.bias", rng.normal(0, 0.1, n).astype(np.float32))
     del q8
     w.write_header_to_file()
     w.write_kv_data_to_file()
