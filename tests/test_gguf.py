@@ -40,6 +40,9 @@ def _engine_weights(engine: Path) -> dict[str, np.ndarray]:
     nodes = {n.name: n for n in model.graph.node}
     out = {}
     for node in model.graph.node:
+        if node.op_type == "MatMul" and node.input[1] in values and values[node.input[1]].ndim == 2:
+            out[node.name] = values[node.input[1]].T  # a layer left in float: the export's weights [K, N]
+            continue
         if node.op_type != "MatMulNBits":
             continue
         attrs = {a.name: a.i for a in node.attribute}
@@ -131,6 +134,8 @@ def test_a_type_not_kept_is_quantized_to_4_bits_with_its_error_recorded(tiny):
     assert measured == pytest.approx(errors["layers.1.mlp.down_proj"], rel=1e-4)
     assert 0 < measured < 0.15
     assert engine["quantization"]["weights"] == {"Q4_0": 2, "Q4_1": 6, "Q4_K": 4, "Q8_0": 2}
+    # the Q8_0 layer runs as a float MatMul of the same weights; the Q8_0 head as MatMulNBits
+    assert engine["quantization"]["float"] == ["layers.0.self_attn.o_proj"]
 
 
 def _logits(engine_dir, ids):
@@ -328,9 +333,11 @@ def test_int8_activations_build_records_its_accuracy_level(tiny, tmp_path, expor
     assert levels == {"4-bit": 4, "8-bit": 4}
     assert json.loads((tiny["engine"] / "manifest.json").read_text())["quantization"][
         "matmul_nbits_accuracy_level"] == {"4-bit": 0, "8-bit": 4}
+    assert json.loads((engine / "manifest.json").read_text())["quantization"]["float"] == []
     # the same weights either way
-    assert all(np.array_equal(a, b) for a, b in zip(_engine_weights(engine).values(),
-                                                    _engine_weights(tiny["engine"]).values()))
+    int8, default = _engine_weights(engine), _engine_weights(tiny["engine"])
+    kept = json.loads((tiny["export"] / "manifest.json").read_text())["gguf"]["kept"]
+    assert all(np.array_equal(int8[layer], default[layer]) for layer in kept)
     with pytest.raises(ValueError, match="--int8-activations applies only"):
         build(tiny["export"], tmp_path / "f", weights="float", int8_activations=True)
     with pytest.raises(ValueError, match="--int8-activations applies only"):

@@ -65,15 +65,20 @@ def _gguf_weights(model, export_dir: Path, export_manifest: dict, int8_activatio
     with np.load(export_dir / section["blocks"]) if kept else contextlib.nullcontext({}) as arrays:
         made = gguf_linears(model, arrays, kept, accuracy_level=level)
     fired = sum(map(len, made.values()))
+    done = {layer for layers in made.values() for layer in layers}
+    in_float = sorted(set(kept) - done)  # 8-bit layers without int8 activations: float MatMul, the same weights
     errors = requantize_linears(model, set(not_kept), accuracy_level=level)
     types = collections.Counter(info["type"] for info in kept.values())
-    log.info("GGUF blocks: %d linear layers on the file's own codes (%s)%s", fired,
+    log.info("GGUF blocks: %d linear layers on the file's own codes (%s)%s%s", fired,
              ", ".join(f"{k} x{v}" for k, v in sorted(types.items())) or "none",
+             f"; {len(in_float)} 8-bit layers as float MatMul (pass --int8-activations for MatMulNBits)"
+             if in_float else "",
              f"; {len(errors)} quantized to 4 bits here (relative weight error up to {max(errors.values()):.2%})"
              if errors else "")
     return {"mode": "gguf", "block_size": 32, "weights": dict(types), "activations": None,
-            "kept": fired, "requantized": errors,
-            "matmul_nbits_accuracy_level": {"4-bit": level, "8-bit": MATMUL_NBITS_ACCURACY_LEVEL}, "packed": {k: v for k, v in made.items() if len(v) > 1}}
+            "kept": fired, "requantized": errors, "float": in_float,
+            "matmul_nbits_accuracy_level": {"4-bit": level, "8-bit": MATMUL_NBITS_ACCURACY_LEVEL},
+            "packed": {k: v for k, v in made.items() if len(v) > 1}}
 
 
 def build_onnxruntime(export_dir: Path, export_manifest: dict, out_dir: Path, *, fuse_qdq: bool = True,

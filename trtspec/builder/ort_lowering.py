@@ -426,7 +426,8 @@ GGUF_PACKED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 # one-token and a several-token call (1e-7) into logit differences of 0.1 and more over 30 layers: speculative
 # decoding then no longer reproduced the engine's own greedy output (SmolLM2, 1 prompt of 4). SmolLM2's decode call:
 # 10.2 ms at level 0, 8.5 at level 4; a 5-token call 25.6 vs 15.2 ms (`build --int8-activations` chooses level 4).
-# The 8-bit head keeps level 4 (level 0 takes a float32 fallback 270x slower here), so it rounds its input once.
+# 8-bit MatMulNBits at level 0 is a float32 fallback 270x slower here: the 8-bit head keeps level 4 (it rounds its
+# input once, nothing after it amplifies that), and other 8-bit layers stay float MatMuls of the same weights.
 GGUF_ACCURACY_LEVEL = 0
 
 
@@ -465,7 +466,10 @@ def gguf_linears(model: ir.Model, arrays, kept: dict[str, dict], accuracy_level:
     become one MatMulNBits and a Split (one kernel launch instead of three). Returns {MatMulNBits node: the
     layers it computes, in order}."""
     graph = model.graph
-    found = [n for n in graph if n.op_type == "MatMul" and n.domain == "" and n.name in kept]
+    # 8-bit layers have no fast float-activation kernel: at level 0 they stay the export's float MatMul (the same
+    # weights, dequantized), except the head, which rounds only its input (see GGUF_ACCURACY_LEVEL)
+    found = [n for n in graph if n.op_type == "MatMul" and n.domain == "" and n.name in kept
+             and (kept[n.name]["bits"] == 4 or accuracy_level == MATMUL_NBITS_ACCURACY_LEVEL or n.name == "lm_head")]
     groups: dict[tuple, list[ir.Node]] = {}
     for node in found:
         info = kept[node.name]
