@@ -46,11 +46,15 @@ class Stream:
 class Generator:
     """Generate text with a target engine, optionally drafting with a draft engine or prompt lookup.
 
-    ``target``/``draft`` are engine or export directories, or loaded engines.
-    ``drafter`` is "draft" (default when a draft is given), "prompt_lookup" or "none".
+    ``target``/``draft`` are engine or export directories, or loaded engines (``draft="self"``: the target's own
+    INT4 build). ``drafter``: "draft" (default when a draft is given), "eagle3" or "medusa" (``draft`` is the
+    exported head, on a target exported with ``--hidden-states``), "prompt_lookup", "suffix" (no model: the
+    request's own text and earlier outputs) or "none".
     ``k_policy`` "load-aware" (default) chooses k each round, up to ``num_draft_tokens``, from the measured
-    costs at the current batch size; "fixed" drafts ``num_draft_tokens`` every round. Other keyword
-    arguments go to the Scheduler.
+    costs at the current batch size; "fixed" drafts ``num_draft_tokens`` every round. ``tree_width`` > 1 drafts
+    token trees and ``tree_nodes`` caps a tree's nodes (a target exported with ``--tree``); ``sampling``
+    ("coupled" or "rejection") is how sampled rows verify drafts. Other keyword arguments go to the Scheduler.
+    A chat's prompt: ``chat_ids(messages)``, then generate() or stream() with it.
     Safe to share between threads.
     """
 

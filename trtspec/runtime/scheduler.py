@@ -87,8 +87,9 @@ class Scheduler:
     """Continuous batching with speculation over a target engine and an optional drafter.
 
     ``target``/``draft`` are engine or export directories, or loaded engines; ``draft="self"`` drafts with
-    the target's own INT4 build (made once, see runtime/self_draft.py). ``drafter`` is
-    "draft" (default when a draft is given), "prompt_lookup" or "none". ``num_draft_tokens`` is the
+    the target's own INT4 build (made once, see runtime/self_draft.py). ``drafter`` is one of DRAFTERS:
+    "draft" (default when a draft is given), "eagle3"/"medusa" (a head), "prompt_lookup", "suffix" or "none";
+    ``tree_width``/``tree_nodes`` shape token trees (a --tree target). ``num_draft_tokens`` is the
     default k of a request (each may ask for its own). ``k_policy`` "load-aware" chooses each
     round's k from measured costs at the current batch size (down to 0); "fixed" drafts every
     row's own k. ``prefill_chunk`` bounds the prompt tokens read per round (one call).
