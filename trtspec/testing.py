@@ -144,13 +144,14 @@ def gguf_blocks(type_name: str, n: int, k: int, rng) -> "np.ndarray":
                             rng.integers(0, 256, (nb, 140), dtype=np.uint8)], axis=1)
         return b.reshape(n, -1)
     nb = n * k // 32
+    if type_name == "Q8_0":
+        return np.concatenate([f16((nb, 1), 0.0002, 0.002), rng.integers(0, 256, (nb, 32), dtype=np.uint8)],
+                              axis=1).reshape(n, -1)
     d = f16((nb, 1), 0.002, 0.02)
     if type_name == "Q4_0":
         b = np.concatenate([d, rng.integers(0, 256, (nb, 16), dtype=np.uint8)], axis=1)
     elif type_name == "Q4_1":
         b = np.concatenate([d, f16((nb, 1), -0.15, -0.02), rng.integers(0, 256, (nb, 16), dtype=np.uint8)], axis=1)
-    elif type_name == "Q8_0":
-        b = np.concatenate([d * 0 + f16((nb, 1), 0.0002, 0.002), rng.integers(0, 256, (nb, 32), dtype=np.uint8)], axis=1)
     else:
         raise ValueError(type_name)
     return b.reshape(n, -1)
@@ -161,6 +162,8 @@ def make_tiny_gguf(path: str | os.PathLike, *, seed: int = 0, tied: bool = True,
     Q8_0 embedding (the head too when ``tied``), a byte-level BPE tokenizer with a chat template. ``arch``
     "llama": transformers undoes a rotary permutation of the query/key rows (llama.cpp's layout), which the export
     must find; "qwen2": rows as stored, and float32 biases on q/k/v."""
+    import json
+
     import gguf
     import numpy as np
 
@@ -169,8 +172,6 @@ def make_tiny_gguf(path: str | os.PathLike, *, seed: int = 0, tied: bool = True,
     tokenizer = make_tokenizer()
     vocab = tokenizer.get_vocab()
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
-    import json
-
     merges = [" ".join(m) if not isinstance(m, str) else m
               for m in json.loads(tokenizer.backend_tokenizer.to_str())["model"]["merges"]]
     hidden, ffn, heads, kv_heads, layers = 256, 512, 4, 2, 2
@@ -202,7 +203,6 @@ def make_tiny_gguf(path: str | os.PathLike, *, seed: int = 0, tied: bool = True,
     w.add_pad_token_id(vocab["<pad>"])
     w.add_chat_template("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
                         "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
-    q8 = gguf.GGMLQuantizationType.Q8_0
 
     def add(name, type_name, n, k):
         w.add_tensor(name, gguf_blocks(type_name, n, k, rng), raw_dtype=gguf.GGMLQuantizationType[type_name])
@@ -221,7 +221,6 @@ def make_tiny_gguf(path: str | os.PathLike, *, seed: int = 0, tied: bool = True,
             add(f"blk.{i}.{part}.weight", types[part], n, k)
             if arch == "qwen2" and part in ("attn_q", "attn_k", "attn_v"):
                 w.add_tensor(f"blk.{i}.{part}.bias", rng.normal(0, 0.1, n).astype(np.float32))
-    del q8
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -14,11 +14,12 @@ BACKENDS = ("onnxruntime", "tensorrt")
 def build(export_dir: str | os.PathLike, out_dir: str | os.PathLike, *, backend: str = "onnxruntime", **options) -> Path:
     """Build an engine artifact for ``backend`` from an export artifact; returns out_dir.
 
-    ``options``: for onnxruntime, ``fuse_qdq`` (default True: quantized weights run
-    in onnxruntime's quantized kernels), ``weights`` (an export of a GGUF file: "gguf", the default, runs the
-    file's own quantized blocks; "float" its dequantized float graph; ``int8_activations``: those blocks' MatMulNBits
-    with int8 activations, faster, but no longer token for token under speculation) and ``fusion`` (default True: the graph lowered to onnxruntime's
-    fused CPU kernels, see builder/ort_lowering.py; False keeps the plain graph); for TensorRT, max_prefill, verify_tokens,
+    ``options``: for onnxruntime, ``fuse_qdq`` (default True: quantized weights run in onnxruntime's quantized
+    kernels), ``weights`` (an export of a GGUF file: "gguf", the default, runs the file's own quantized blocks;
+    "float" its dequantized float graph), ``int8_activations`` (those blocks' MatMulNBits with int8 activations:
+    faster, but no longer token for token under speculation) and ``fusion`` (default True: the graph lowered to
+    onnxruntime's fused CPU kernels, see builder/ort_lowering.py; False keeps the plain graph); for TensorRT,
+    max_prefill, verify_tokens,
     max_batch, workspace_mib, timing_cache (see builder.tensorrt.build_tensorrt).
     """
     export_dir = Path(export_dir)

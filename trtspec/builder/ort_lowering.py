@@ -425,8 +425,8 @@ GGUF_PACKED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 # activations, as llama.cpp's Q8 dot products) was faster, but an int8 rounding turns the float noise between a
 # one-token and a several-token call (1e-7) into logit differences of 0.1 and more over 30 layers: speculative
 # decoding then no longer reproduced the engine's own greedy output (SmolLM2, 1 prompt of 4). SmolLM2's decode call:
-# 10.2 ms at level 0, 8.5 at level 4; a 5-token call 25.6 vs 15.2 ms (`build --int8-activations` chooses level 4).
-# 8-bit MatMulNBits at level 0 is a float32 fallback 270x slower here: the 8-bit head keeps level 4 (it rounds its
+# 10.4 ms at level 0, 8.3 at level 4; a 5-token call 26.4 vs 15.5 ms (`build --int8-activations` chooses level 4;
+# benchmarks/bench_gguf_kernels.py). 8-bit MatMulNBits at level 0 is a float32 fallback 260x slower here: the 8-bit head keeps level 4 (it rounds its
 # input once, nothing after it amplifies that), and other 8-bit layers stay float MatMuls of the same weights.
 GGUF_ACCURACY_LEVEL = 0
 

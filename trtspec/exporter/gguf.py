@@ -12,7 +12,7 @@ layer stored in a type we can run as it is, the file's own codes in the layout o
 
 every one per block of 32 weights along the input axis, which is MatMulNBits' blocking. The minimum of Q4_1/Q4_K
 has no place in MatMulNBits' integer zero point; its float zero point takes it, but onnxruntime 1.32 runs that
-form 35x slower (dequantize, then a float GEMM: 730 vs 21 us for a 1536x576 layer), so the build adds the
+form 35x slower (dequantize, then a float GEMM: 757 vs 21 us for a 1536x576 layer, bench_gguf_kernels.py), so the build adds the
 minimum's term as ``blocksum(x) @ M^T`` instead, the exact rewrite of sum_i x_i (d q_i + m) that llama.cpp's own
 Q4_1 dot product uses. Each kept tensor is checked at export: its codes, scales and minimums, put together as the
 engine reads them, equal the float weights transformers dequantized, bit for bit, after llama.cpp's permutation
