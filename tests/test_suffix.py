@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from trtspec import Generator, load_engine
-from trtspec.runtime.suffix import MAX_OCCURRENCES, SuffixCache, SuffixDrafter
+from trtspec import Generator, Scheduler, load_engine
+from trtspec.runtime.suffix import _PROBE_EVERY, MAX_OCCURRENCES, SuffixCache, SuffixDrafter
 
 ARCH = "llama-gqa-rope3"
 PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add(a, b):", "The quick brown fox jumps over the lazy dog. The quick",
@@ -58,6 +58,37 @@ def test_the_shared_cache_proposes_an_earlier_output_and_forgets_the_oldest():
     drafter = SuffixDrafter(1, cache=cache)
     assert propose(drafter, [[99, 11, 12]], 3).counts.tolist() == [0]
     assert propose(drafter, [[99, 11, 12, 21, 22]], 2).drafts[0].tolist() == [23, 24]
+
+
+def test_a_cached_continuation_ends_where_its_output_ended():
+    cache = SuffixCache()
+    cache.add([10, 11, 12])
+    cache.add([20, 21, 22, 23])
+    drafter = SuffixDrafter(1, cache=cache)
+    p = propose(drafter, [[5, 11, 12]], 4)  # (10, 11, 12) was a whole output: nothing followed it
+    assert p.counts.tolist() == [0]
+    p = propose(SuffixDrafter(1, cache=cache), [[5, 10, 11]], 4)
+    assert p.drafts[0, : p.counts[0]].tolist() == [12]  # not 12 and then the next output's 20, 21
+
+
+def test_the_round_shape_pays_for_its_verify_call():
+    history = [1, 2, 3, 4, 5, 6, 7, 8] * 4 + [1, 2, 3]  # each node certain so far: score 1 at every depth
+    cheap = SuffixDrafter(1, costs=lambda b, t, tree: 1.0 + 0.5 * (t - 1))
+    assert propose(cheap, [history], 4).drafts[0].tolist() == [4, 5, 6, 7]  # (1 + m) / (1 + m / 2) grows with m
+    # the verdicts say depth 1 is accepted, deeper never: depth 2 is proposed until its calibrated gain no longer
+    # pays for its slot ((2 + g) / 2 < 2 / 1.5), then only the first node
+    for _ in range(40):
+        propose(cheap, [history], 4)
+        cheap.accepted(np.array([len(history) + 1]))
+    assert cheap.calibration(1) > 0.9 and cheap.calibration(2) <= 2 / 3 + 1e-9
+    assert propose(cheap, [history], 4).drafts[0].tolist() == [4]
+    # a verify slot costing as much as a decode call: a certain node only breaks even, so nothing is proposed,
+    # but one node goes out every _PROBE_EVERY rounds, so the calibration keeps learning
+    dear = SuffixDrafter(1, costs=lambda b, t, tree: 1.0 * t)
+    counts = [int(propose(dear, [history], 4).counts[0]) for _ in range(2 * _PROBE_EVERY)]
+    assert sum(counts) == 2 and max(counts) == 1
+    # no costs known yet: every node scoring at least min_score
+    assert propose(SuffixDrafter(1, costs=lambda b, t, tree: None), [history], 4).counts.tolist() == [4]
 
 
 def test_occurrences_are_the_latest_ones():
@@ -134,3 +165,112 @@ def test_suffix_sampling_follows_the_target_distribution(exported, model_dir):
     assert _chi_square_p_value(counts, joint) > ALPHA
     stats = gen.scheduler.stats()  # earlier outputs were proposed, with both outcomes
     assert stats.proposed > 0 and 0.02 < stats.accepted / stats.proposed < 0.98
+
+
+@pytest.fixture(scope="module")
+def draft(perturbed_export):
+    return load_engine(perturbed_export(ARCH, 0.3))
+
+
+@pytest.mark.parametrize("form", ["chains", "trees"])
+def test_suffix_over_a_draft_model_equals_target_greedy_and_both_propose(form, plain, tree, draft, reference):
+    engine = plain if form == "chains" else tree
+    gen = Generator(engine, draft, drafter="suffix", num_draft_tokens=4, k_policy="fixed")
+    assert [gen.generate(p, max_new_tokens=40).token_ids for p in PROMPTS] == reference  # alone
+    assert [r.token_ids for r in gen.generate(PROMPTS, max_new_tokens=40)] == reference  # listed
+    text = "".join(gen.stream(PROMPTS[1], max_new_tokens=40))
+    assert text == gen.tokenizer.decode(reference[1], skip_special_tokens=True)
+    by = gen.scheduler.stats().by_drafter
+    # rows without a match drafted with the model, the others from their matches; each accepted some
+    assert set(by) == {"suffix", "draft"} and all(accepted > 0 for _, accepted in by.values())
+    gen.close()
+    gen = Generator(engine, draft, drafter="suffix", num_draft_tokens=4)  # load-aware: shapes from measured costs
+    assert [r.token_ids for r in gen.generate(PROMPTS, max_new_tokens=40)] == reference
+    gen.close()
+
+
+def test_suffix_takes_a_draft_model_not_a_head(plain, exported):
+    with pytest.raises(ValueError, match="drop one of them"):
+        Generator(plain, exported(ARCH), drafter="prompt_lookup")
+
+
+def test_suffix_over_a_draft_model_samples_the_target_distribution(exported, perturbed_export, model_dir):
+    """Rejection sampling with two kinds of rows in one verify: the model's drafts with their q, the suffix's
+    certain drafts (q one-hot)."""
+    from test_speculative import ALPHA, _chi_square_p_value, _exact_joint, _sample_sequences
+
+    from trtspec.runtime import SamplingParams
+
+    options = {"max_seq_len": 16, "max_batch": 64}
+    target = load_engine(exported(ARCH, **options))
+    draft = load_engine(perturbed_export(ARCH, 0.5, **options))
+    gen = Generator(target, draft, drafter="suffix", num_draft_tokens=2, k_policy="fixed", sampling="rejection")
+    params = SamplingParams(temperature=1.5, top_k=4)
+    joint = _exact_joint(model_dir(ARCH), gen.tokenizer("def")["input_ids"], params, depth=3)
+    counts, _ = _sample_sequences(gen, "def", params, 20_480, seed=0)
+    assert sum(counts.values()) == 20_480
+    assert _chi_square_p_value(counts, joint) > ALPHA
+    by = gen.scheduler.stats().by_drafter  # both kinds of rows verified, with both outcomes
+    assert set(by) == {"suffix", "draft"}
+    assert all(0.02 < accepted / proposed < 0.98 for proposed, accepted in by.values())
+    gen.close()
+
+
+class _Grammar:
+    """A row's logits processor whose grammar forbids one token (the Drafter protocol reads samplers[r].processor)."""
+
+    constraint = True
+
+    def __init__(self, forbidden):
+        self.forbidden = forbidden
+
+    def allowed_prefix(self, tokens):
+        return next((i for i, t in enumerate(tokens) if t == self.forbidden), len(tokens))
+
+
+class _Sampler:
+    def __init__(self, processor):
+        self.processor = processor
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_under_a_grammar_only_allowed_tokens_are_proposed(tree):
+    """Each continuation is cut at the first token the row's grammar forbids, before the trie is built: the
+    allowed prefix of a forbidden continuation still counts, nothing after it is proposed. (Greedy output under a
+    grammar equals the target's own with every drafter: test_logits.)"""
+    # after (7, 1, 2): 3 4 9 twice and 3 5 6 once; a grammar forbidding 4 leaves 3 (three times) and 3 5 6 (once)
+    history = [6, 7, 1, 2, 3, 4, 9, 5, 7, 1, 2, 3, 5, 6, 4, 7, 1, 2, 3, 4, 9, 8, 7, 1, 2]
+    free = propose(SuffixDrafter(1, tree=tree, min_score=0.0), [history], 3)
+    assert 4 in free.drafts[0, : free.counts[0]].tolist()
+    drafter = SuffixDrafter(1, tree=tree, min_score=0.0)
+    cap = len(history) + 4
+    tokens = np.zeros((1, cap), np.int64)
+    tokens[0, : len(history)] = history
+    p = drafter.propose(tokens, np.array([len(history)]), np.array([3]), [_Sampler(_Grammar(4))], cap)
+    m = int(p.counts[0])
+    assert 4 not in p.drafts[0, :m].tolist()
+    assert p.drafts[0, :m].tolist() == [3, 5, 6]  # a chain and a tree alike: 3 (1), then 5 (1/3), 6 (1/3)
+    if tree:
+        assert p.parents[0, :m].tolist() == [-1, 0, 1]
+
+
+def test_serve_keeps_the_suffix_cache_and_shows_acceptance_per_drafter(plain, draft):
+    import httpx
+    from conftest import Server
+
+    from trtspec.server import create_app
+
+    scheduler = Scheduler(plain, draft, drafter="suffix", k_policy="fixed")
+    with Server(create_app(scheduler, model_name="tiny")) as s:
+        client = s.client()
+        first = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=40, temperature=0)
+        cached = scheduler.drafter.cache.tokens
+        second = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=40, temperature=0)
+        assert first.choices[0].text == second.choices[0].text
+        assert cached > 0 and scheduler.drafter.cache.tokens > cached  # kept across requests
+        metrics = httpx.get(s.url + "/metrics", timeout=10).text
+    by = scheduler.stats().by_drafter
+    for name, (proposed, accepted) in by.items():
+        assert f'trtspec_draft_tokens_proposed_by_drafter_total{{drafter="{name}"}} {float(proposed)}' in metrics
+        assert f'trtspec_draft_tokens_accepted_by_drafter_total{{drafter="{name}"}} {float(accepted)}' in metrics
+    assert by["suffix"][1] > 0  # the second request's answer came from the first's, drafted by the suffix cache

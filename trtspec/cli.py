@@ -176,7 +176,9 @@ def _add_engine_arguments(p) -> None:
                                    "INT4 build (made once from its export, beside the target engine)")
     p.add_argument("--drafter", choices=["draft", "eagle3", "medusa", "prompt_lookup", "suffix", "none"],
                    help="default: draft if --draft, else none; eagle3/medusa: --draft is the exported head; suffix: "
-                        "no model, trees from the request's own text and earlier outputs (a --tree target) or chains")
+                        "no model, trees from the request's own text and earlier outputs (a --tree target) or chains, "
+                        "shaped each round from the measured call costs; with --draft, the draft model drafts the "
+                        "rows suffix matching has nothing for")
     p.add_argument("-k", "--num-draft-tokens", type=_positive_int, default=4,
                    help="most tokens drafted per round (default 4); with --k-policy load-aware fewer, down to 0, "
                         "when drafting does not pay")

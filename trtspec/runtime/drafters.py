@@ -35,6 +35,8 @@ class Proposal:
     shape: str | None = None  # the tree's shape as reported in the stats, e.g. "4x3"
     # [B, K] bool: drafts a grammar forced (jump-forward), not proposed: they count apart from the drafter's own
     forced: np.ndarray | None = None
+    # each row's drafter by name, where one drafter speaks for another (suffix over a draft model); None: its own
+    sources: list[str] | None = None
 
     @classmethod
     def empty(cls, b: int) -> Proposal:

@@ -144,6 +144,7 @@ class SchedulerStats(EngineWork):
     accepted: int = 0
     k_histogram: dict[int, int] = field(default_factory=dict)  # rounds that chose k
     tree_shapes: dict[str, int] = field(default_factory=dict)  # rounds that verified a tree, by shape ("4x3")
+    by_drafter: dict[str, list[int]] = field(default_factory=dict)  # drafter -> [tokens proposed, accepted]
 
 
 @dataclass

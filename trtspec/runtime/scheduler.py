@@ -65,7 +65,7 @@ from .sampling import SamplingParams, log_probs, logprob_entry
 from .self_draft import SELF, self_draft
 from .speculative import SPECULATIVE_SAMPLING, RowSampler
 from .suffix import MAX_MATCH as CONTEXT_TOKENS
-from .suffix import SuffixDrafter
+from .suffix import SuffixDrafter, SuffixThenDraft
 from .tokenizer import encode_prompt, load_tokenizer
 from .vocab import check_same_vocabulary
 
@@ -88,7 +88,8 @@ class Scheduler:
 
     ``target``/``draft`` are engine or export directories, or loaded engines; ``draft="self"`` drafts with
     the target's own INT4 build (made once, see runtime/self_draft.py). ``drafter`` is one of DRAFTERS:
-    "draft" (default when a draft is given), "eagle3"/"medusa" (a head), "prompt_lookup", "suffix" or "none";
+    "draft" (default when a draft is given), "eagle3"/"medusa" (a head), "prompt_lookup", "suffix" (with a draft
+    model: suffix drafting, the model for rows it has no match for) or "none";
     ``tree_width``/``tree_nodes`` shape token trees (a --tree target). ``num_draft_tokens`` is the
     default k of a request (each may ask for its own). ``k_policy`` "load-aware" chooses each
     round's k from measured costs at the current batch size (down to 0); "fixed" drafts every
@@ -131,7 +132,7 @@ class Scheduler:
         if drafter in HEADS and not hasattr(self.target, "features"):
             raise ValueError(f"drafter {drafter!r} reads the target's hidden states, which the {self.target.backend} "
                              "engine does not return; use the onnxruntime engine of a --hidden-states export")
-        if drafter not in ("draft", *HEADS) and draft is not None:
+        if drafter not in ("draft", "suffix", *HEADS) and draft is not None:
             raise ValueError(f"a draft model was given but drafter is {drafter!r}; drop one of them")
         if k_policy not in K_POLICIES:
             raise ValueError(f"unknown k_policy {k_policy!r}; choose one of {', '.join(K_POLICIES)}")
@@ -150,8 +151,11 @@ class Scheduler:
         self.pad_id = special["pad_token_id"] if special["pad_token_id"] is not None else 0
         self.draft = None
         engines = [self.target]
-        if drafter in ("draft", "eagle3"):
+        if drafter in ("draft", "eagle3") or (drafter == "suffix" and draft is not None):
             self.draft = _as_engine(draft, num_threads)
+            if drafter == "suffix" and self.draft.manifest["model"].get("head"):
+                raise ValueError("drafter 'suffix' takes a draft model under it, not a head: pass a draft model's "
+                                 "engine, or drafter='eagle3'/'medusa' for the head alone")
             check_same_vocabulary(self.target, self.draft)
             engines.append(self.draft)
         self.engines = engines
@@ -182,6 +186,8 @@ class Scheduler:
         elif drafter == "suffix":  # trees where the target verifies them; its cache of outputs lives as long as this
             self.drafter = SuffixDrafter(max_batch, tree=bool(getattr(self.target, "tree_verify", False)),
                                          tree_nodes=tree_nodes)
+            if self.draft is not None:  # the draft model under it, for rows without a match (chains)
+                self.drafter = SuffixThenDraft(self.drafter, DraftModelDrafter(self.draft, self.pad_id))
         else:
             self.drafter = NoDrafter()
         self.drafter_name = drafter
@@ -196,6 +202,11 @@ class Scheduler:
         widths = (1, self.tree_width) if drafter in ("draft", "eagle3") else (1,)
         self.policy = (LoadAwareK(self.num_draft_tokens, self.allowed_k, widths=widths, nodes=tree_nodes)
                        if k_policy == "load-aware" else None)
+        # a drafter that shapes its own rounds (suffix: per row, from its match's scores) gets the measured call
+        # costs instead of a k chosen for it
+        self._self_shaping = self.policy is not None and hasattr(self.drafter, "costs")
+        if self._self_shaping:
+            self.drafter.costs = self._verify_cost
         self._width = self.tree_width  # the tree width of the current round
         self._expected = None  # the tokens the load-aware policy expects of the current round
         self._sampled = False  # whether a row of the current round samples
@@ -507,6 +518,7 @@ class Scheduler:
         with self._cv:
             s = SchedulerStats(**{k: v for k, v in vars(self._stats).items()})
             s.k_histogram = dict(self._stats.k_histogram)
+            s.by_drafter = {name: list(counts) for name, counts in self._stats.by_drafter.items()}
             s.running = len(self._rows)
             s.waiting = len(self._waiting)
             s.prefix_cache_bytes = self.prefix_cache.nbytes if self.prefix_cache else 0
@@ -694,7 +706,7 @@ class Scheduler:
         width = self.tree_width
         self._expected = None  # the tokens the policy expects of this round (rows' own acceptance)
         self._sampled = any(r.sampler.mode != "greedy" for r in rows)  # such rounds are measured apart
-        if policy is not None and caps.any():
+        if policy is not None and caps.any() and not self._self_shaping:
             k, width = policy.choose_shape(b, caps, [(r.stats.accepted, r.stats.accepted + r.stats.rejected,
                                                       r.sampler.mode != "greedy") for r in rows], self._sampled)
             self._expected = policy.last_expected
@@ -762,7 +774,8 @@ class Scheduler:
             n_before = int(n[s])
             try:
                 a, x = r.sampler.verify(drafts[s, :m], q, logits[s, : m + 1], n_before)
-                self._record_verdict(r, a, m, 1, *self._forced_counts(proposal, s, m, range(a)))
+                self._record_verdict(r, a, m, 1, *self._forced_counts(proposal, s, m, range(a)),
+                                     source=self._source(proposal, s))
                 self._emit(s, r, [*drafts[s, :a].tolist(), x])
             except Exception as exc:  # noqa: BLE001 - this request's own failure: it alone ends
                 self._fault(r, exc)
@@ -793,8 +806,11 @@ class Scheduler:
         mask = proposal.forced[s, :m]
         return int(mask[list(accepted_nodes)].sum()), int(mask.sum())
 
+    def _source(self, proposal, s) -> str:
+        return proposal.sources[s] if proposal.sources is not None else self.drafter.name
+
     def _record_verdict(self, r, accepted: int, proposed: int, width: int, forced_accepted: int = 0,
-                        forced: int = 0):
+                        forced: int = 0, source: str | None = None):
         """One row's verdict in its request's and the scheduler's statistics and the load-aware policy's acceptance
         (``proposed``: drafts of a chain, the deepest path of a tree); of them, ``forced`` tokens a grammar forced
         (``forced_accepted`` accepted) count apart, as forced tokens, not as the drafter's."""
@@ -807,6 +823,10 @@ class Scheduler:
             self.policy.record_acceptance(proposed, accepted, width, r.sampler.mode != "greedy")
         self._stats.proposed += proposed
         self._stats.accepted += accepted
+        if proposed:
+            counts = self._stats.by_drafter.setdefault(source or self.drafter.name, [0, 0])
+            counts[0] += proposed
+            counts[1] += accepted
 
     def _verify_tree(self, rows, proposal, forced, k, t0, t1):
         """The rest of a round whose drafts form trees: ONE target call over [last token, nodes...] per row with
@@ -850,7 +870,8 @@ class Scheduler:
                 path, x = r.sampler.verify_tree(drafts[s, :m], parents[s, :m], logits[s, : m + 1], n_before)
                 a = len(path)
                 deepest = int(depth[s, : m + 1].max())  # the most this tree could have given
-                self._record_verdict(r, a, deepest, self._width, *self._forced_counts(proposal, s, m, path))
+                self._record_verdict(r, a, deepest, self._width, *self._forced_counts(proposal, s, m, path),
+                                     source=self._source(proposal, s))
             except Exception as exc:  # noqa: BLE001 - this request's own failure: it alone ends
                 self._fault(r, exc)
                 if features is not None:
@@ -956,6 +977,12 @@ class Scheduler:
                 proposal.parents[s, :f] = np.arange(f) - 1
         proposal.drafts, proposal.probs, proposal.forced = drafts, probs, marks
 
+    def _verify_cost(self, b: int, t: int, tree: bool = False) -> float | None:
+        """Seconds of a target call over b rows of t tokens (tree calls apart), as measured or fitted so far; None
+        before any was measured. A self-shaping drafter's costs."""
+        costs = self.policy.tree_target if tree else self.policy.target
+        return costs.estimate(b, t)
+
     def _learn_calls(self, b, width, verify_s, proposal, per_draft_token_s):
         """Tell the load-aware policy what a round's calls cost (before its acceptance is known): the draft
         engine's calls at their sizes (a long catch-up is not a token), or per token of a drafter without one."""
@@ -1058,7 +1085,7 @@ class Scheduler:
             r.stats.time_to_first_token_s = r.last_emit - r.submitted
         # the draft reads the same chunks after the first tokens went out: they need only the target
         self.drafter.prefill(ids, pos, first, chunk)
-        if self.drafter_name == "draft":
+        if self.drafter_name == "draft" or isinstance(self.drafter, SuffixThenDraft):
             self._stats.draft_calls += 1
         if self._observe is not None:  # a head drafter: the target's features of the chunk's tokens
             features = self.target.features

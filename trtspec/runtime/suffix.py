@@ -7,140 +7,210 @@ next?":
 - a SuffixCache of earlier requests' outputs, bounded in tokens (the least recently added go first), shared by
   every row of a Scheduler and kept across requests (`trtspec serve` keeps one for its lifetime); thread-safe.
 
-A round finds the longest suffix of the row (MIN_MATCH..MAX_MATCH tokens) that occurred before, in the row first,
-then in the cache, and lays the continuations of its latest occurrences (up to MAX_OCCURRENCES, each up to the
-round's depth) into a trie. A node's score is the fraction of occurrences that pass through it: an empirical
-probability of its whole path. The best nodes (a parent always scores at least its child) make the tree, up to
-``tree_nodes`` and down to ``min_score``; a target without tree verification gets the trie's likeliest path as a
-chain. No earlier occurrence: no drafts, and the round costs the target call alone.
+Both are a ``_Text``: the tokens, and the occurrences of every 2-gram and 4-gram chained latest first, keyed by
+the n-gram's ids side by side in one int. A lookup walks the chain of the row's last 4 tokens (else its last 2),
+extends each occurrence's match backwards up to MAX_MATCH tokens, and keeps the longest matches (the latest
+MAX_OCCURRENCES occurrences looked at, the row's own text first). Their continuations make a trie; a node's
+score is the share of continuations through it, an empirical probability of its whole path. Under a grammar,
+each continuation is cut at the first token the grammar forbids: only allowed tokens are proposed.
+
+The round's shape is the drafter's own (``costs`` set: the scheduler's load-aware policy gives the measured call
+costs). A node's gain is its score calibrated by the acceptance measured at its depth (the running ratio of
+accepted to predicted at each depth), and each row proposes the best-gain nodes that maximise
+(1 + their gains) / (the verify call's cost at 1 + their count): deep where the text repeats and the call is
+cheap, nothing where a match says too little for its cost. A target without tree verification gets the trie's
+likeliest path as a chain. No earlier occurrence: no drafts, and the round costs the target call alone.
+
+``SuffixThenDraft`` puts a draft model under it: rows the suffix drafter has nothing for draft with the model,
+when its measured acceptance and call costs say a draft pays (TensorRT-LLM's suffix automaton on top of a
+drafter).
 """
 
 from __future__ import annotations
 
 import threading
 from array import array
-from collections import OrderedDict, deque
+from collections import deque
+
+import numpy as np
 
 from .drafters import Proposal
+from .speculative import expected_tokens_per_call
 from .tree import pack_trees
 
 MIN_MATCH = 2  # a suffix shorter than this says too little about what follows
 MAX_MATCH = 8
-MAX_OCCURRENCES = 16  # per n-gram: the latest ones (recent text predicts best)
-CACHE_LENGTHS = (2, 3, 4, 6, 8)  # the n-grams the shared cache indexes (a row's index has every length)
+MAX_OCCURRENCES = 16  # occurrences looked at per lookup: the latest ones (recent text predicts best)
+_BITS = 21  # token ids below 2**21: an n-gram's key is its ids side by side in one int
+SEP = (1 << _BITS) - 1  # between the shared cache's outputs: no match or continuation crosses it
+_MASK2, _MASK4 = (1 << 2 * _BITS) - 1, (1 << 4 * _BITS) - 1
+_CALIBRATION_PRIOR = 4.0  # predicted tokens' worth of "the scores are right" before a depth is measured
+_CALIBRATION_MEMORY = 256.0  # a depth's counts are halved beyond this: acceptance drifts with the text
+_PROBE_EVERY = 32  # rounds with a match but nothing worth proposing, before one node is proposed anyway
 
 
-def _grams_ending(seq: list[int], end: int):
-    """The n-grams of seq ending at ``end``, MIN_MATCH..MAX_MATCH tokens (one tuple made, the rest sliced off it)."""
-    window = tuple(seq[max(0, end - MAX_MATCH + 1) : end + 1])
-    return [window[-m:] for m in range(MIN_MATCH, len(window) + 1)]
+class _Text:
+    """Tokens, with the positions after each 2-gram's and 4-gram's occurrences chained latest first:
+    ``last[key]`` is the latest, ``prev[p - base]`` the one before p (-1: none). Positions count from the first
+    token ever added; the first ``base`` were dropped (the shared cache forgets its oldest outputs)."""
 
-
-class _Index:
-    """n-gram (MIN_MATCH..MAX_MATCH tokens) -> the positions right after its latest occurrences, over one list."""
-
-    __slots__ = ("seq", "grams", "done")
+    __slots__ = ("seq", "prev2", "prev4", "last2", "last4", "base", "_key")
 
     def __init__(self):
-        self.seq: list[int] = []
-        self.grams: dict[tuple, deque] = {}
-        self.done = 0  # n-grams ending before this position are indexed
+        self.seq = array("q")
+        self.prev2 = array("q")
+        self.prev4 = array("q")
+        self.last2: dict[int, int] = {}
+        self.last4: dict[int, int] = {}
+        self.base = 0
+        self._key = 0  # the last 4 tokens' ids side by side
+
+    def __len__(self):
+        return len(self.seq)
 
     def extend(self, tokens) -> None:
-        self.seq.extend(tokens)
-        # an n-gram is indexed once its follower is known: those ending at [done, len - 1)
-        seq, grams = self.seq, self.grams
-        for end in range(self.done, len(seq) - 1):
-            for key in _grams_ending(seq, end):
-                hits = grams.get(key)
-                if hits is None:
-                    grams[key] = hits = deque(maxlen=MAX_OCCURRENCES)
-                hits.append(end + 1)
-        self.done = max(self.done, len(seq) - 1)
+        """Append tokens (ints below SEP, or SEP); the n-grams ending before each get it as their follower."""
+        seq, prev2, prev4, last2, last4 = self.seq, self.prev2, self.prev4, self.last2, self.last4
+        key, p, held = self._key, self.base + len(seq), len(seq)
+        for t in tokens:
+            if held >= 4:
+                k = key & _MASK2
+                prev2.append(last2.get(k, -1))
+                last2[k] = p
+                prev4.append(last4.get(key, -1))
+                last4[key] = p
+            elif held >= 2:
+                k = key & _MASK2
+                prev2.append(last2.get(k, -1))
+                last2[k] = p
+                prev4.append(-1)
+            else:
+                prev2.append(-1)
+                prev4.append(-1)
+            seq.append(t)
+            key = ((key << _BITS) | t) & _MASK4
+            p += 1
+            held += 1
+        self._key = key
+
+    def find(self, tail: list[int]) -> tuple[int, list[int]]:
+        """(the longest match, the positions after its latest occurrences, latest first) of a suffix of ``tail``
+        (the query's last MAX_MATCH tokens or fewer), MIN_MATCH..MAX_MATCH tokens long; (0, []) if none."""
+        n = len(tail)
+        if n >= 4:
+            p = self.last4.get((((((tail[-4] << _BITS) | tail[-3]) << _BITS) | tail[-2]) << _BITS) | tail[-1], -1)
+            if p >= self.base:
+                return self._walk(p, tail, 4, MAX_MATCH, self.prev4)
+        if n >= 2:
+            p = self.last2.get((tail[-2] << _BITS) | tail[-1], -1)
+            if p >= self.base:
+                return self._walk(p, tail, 2, 3, self.prev2)  # (a match of 4 or more has a 4-gram)
+        return 0, []
+
+    def _walk(self, p: int, tail: list[int], g: int, longest: int, prev) -> tuple[int, list[int]]:
+        # the occurrences chained from p, latest first, each match extended backwards from its keyed g tokens
+        seq, base, n = self.seq, self.base, len(tail)
+        best, found, looked = 0, [], 0
+        while p >= base and looked < MAX_OCCURRENCES:
+            looked += 1
+            m, i, j = g, p - g - 1 - base, n - g - 1
+            while m < longest and i >= 0 and j >= 0 and seq[i] == tail[j]:
+                m, i, j = m + 1, i - 1, j - 1
+            if m > best:
+                best, found = m, [p]
+            elif m == best:
+                found.append(p)
+            p = prev[p - base]
+        return best, found
+
+    def continuation(self, p: int, depth: int) -> list[int]:
+        out = self.seq[p - self.base : p - self.base + depth].tolist()
+        if SEP in out:
+            out = out[: out.index(SEP)]
+        return out
 
 
 class SuffixCache:
     """Earlier requests' outputs for suffix drafting: at most ``max_tokens`` tokens, oldest out first.
 
-    Leaner than a row's index, since it lives as long as the server: tokens in arrays, n-grams of CACHE_LENGTHS
-    tokens only, keyed by their hash (a collision only misleads a proposal, which the target's verify corrects).
-    About 0.95 KB a token at worst (text that never repeats: 61 MB for the default 64 Ki tokens); less where it repeats.
-    ``add`` and ``continuations`` lock; one cache serves every row of a Scheduler (and its server's lifetime)."""
+    One ``_Text`` of every output, SEP between them: 24 bytes a token in arrays plus the chains' dict entries
+    (about 0.25 KB a token at worst, 16 MB for the default 64 Ki tokens), and no Python object per n-gram, so the
+    garbage collector has nothing to walk. ``add`` and ``continuations`` lock; one cache serves every row of a
+    Scheduler (and its server's lifetime)."""
 
     def __init__(self, max_tokens: int = 1 << 16):
-        if not isinstance(max_tokens, int) or max_tokens < 0:
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
             raise ValueError(f"max_tokens must be an integer >= 0, got {max_tokens!r}")
         self.max_tokens = max_tokens
-        self._seqs: OrderedDict[int, array] = OrderedDict()
-        self._grams: dict[int, list[int]] = {}  # hash of an n-gram -> [(sequence id << 32) | follower], latest last
-        self._next_id = 0
-        self.tokens = 0
+        self._text = _Text()
+        self._lengths: deque[int] = deque()  # each stored output's length, SEP included, oldest first
+        self.tokens = 0  # the outputs' tokens held (SEPs not counted)
         self._lock = threading.Lock()
 
-    @staticmethod
-    def _keys(seq, end: int):
-        window = tuple(seq[max(0, end - MAX_MATCH + 1) : end + 1])
-        return [hash(window[-m:]) for m in CACHE_LENGTHS if m <= len(window)]
-
     def add(self, tokens) -> None:
-        seq = array("q", (int(t) for t in tokens))
-        if len(seq) <= MIN_MATCH or len(seq) > self.max_tokens:
+        tokens = [int(t) for t in tokens]
+        if len(tokens) <= MIN_MATCH or len(tokens) > self.max_tokens:
             return
         with self._lock:
-            sid = self._next_id
-            self._next_id += 1
-            self._seqs[sid] = seq
-            self.tokens += len(seq)
-            for end in range(MIN_MATCH - 1, len(seq) - 1):
-                for key in self._keys(seq, end):
-                    hits = self._grams.setdefault(key, [])
-                    hits.append((sid << 32) | (end + 1))
-                    if len(hits) > MAX_OCCURRENCES:
-                        del hits[0]
+            self._text.extend([SEP, *tokens])
+            self._lengths.append(len(tokens) + 1)
+            self.tokens += len(tokens)
             while self.tokens > self.max_tokens:
                 self._evict()
 
     def _evict(self):
-        sid, seq = self._seqs.popitem(last=False)
-        self.tokens -= len(seq)
-        for end in range(MIN_MATCH - 1, len(seq) - 1):
-            for key in self._keys(seq, end):
-                hits = self._grams.get(key)
-                if hits is not None:
-                    hits[:] = [h for h in hits if h >> 32 != sid]
-                    if not hits:
-                        del self._grams[key]
+        text, k = self._text, self._lengths.popleft()
+        self.tokens -= k - 1
+        del text.seq[:k], text.prev2[:k], text.prev4[:k]
+        text.base += k
+        for name in ("last2", "last4"):  # entries before base are never walked; drop them once they pile up
+            chains = getattr(text, name)
+            if len(chains) > 2 * len(text.seq) + 1024:
+                setattr(text, name, {key: p for key, p in chains.items() if p >= text.base})
 
-    def continuations(self, key: tuple, depth: int) -> list[list[int]]:
-        """What followed the n-gram ``key`` (CACHE_LENGTHS tokens long) in the stored outputs, latest first: up to
-        ``depth`` tokens each."""
-        if len(key) not in CACHE_LENGTHS:
-            return []
+    def find(self, tail: list[int], depth: int) -> tuple[int, list[list[int]]]:
+        """(match length, continuations of up to ``depth`` tokens, latest first) of ``tail``'s longest suffix
+        in the stored outputs (0, [] if none)."""
         with self._lock:
-            hits = self._grams.get(hash(key))
-            if not hits:
-                return []
-            return [self._seqs[h >> 32][(h & 0xFFFFFFFF) : (h & 0xFFFFFFFF) + depth].tolist() for h in reversed(hits)]
+            m, found = self._text.find(tail)
+            return m, [self._text.continuation(p, depth) for p in found]
+
+    def continuations(self, key, depth: int) -> list[list[int]]:
+        """What followed exactly the n-gram ``key`` in the stored outputs, latest first (up to ``depth`` tokens)."""
+        m, found = self.find([int(t) for t in key], depth)
+        return found if m >= len(key) else []
 
 
 class SuffixDrafter:
-    """The Drafter protocol (runtime/drafters.py) over suffix matches; see the module docstring."""
+    """The Drafter protocol (runtime/drafters.py) over suffix matches; see the module docstring.
+
+    ``costs``: None (every node scoring at least ``min_score`` is proposed, up to the caps and ``tree_nodes``), or
+    a function (rows, tokens per row, tree) -> the verify call's seconds or None (not known yet), which makes
+    each round's shape the one with the most tokens expected per second (the Scheduler sets it under its
+    load-aware policy)."""
 
     name = "suffix"
     drafts_after_forced = False  # (its trees start at the row's last token, as a draft model's do)
 
     def __init__(self, max_batch: int, *, cache: SuffixCache | None = None, tree: bool = False,
-                 tree_nodes: int | None = None, min_score: float = 0.1):
+                 tree_nodes: int | None = None, min_score: float = 0.1, costs=None):
         if not 0.0 <= min_score <= 1.0:
             raise ValueError(f"min_score must be in [0, 1], got {min_score!r}")
         self.cache = cache if cache is not None else SuffixCache()
         self.tree = tree
         self.tree_nodes = tree_nodes or 16
         self.min_score = min_score
-        self.rows: list[_Index] = [_Index() for _ in range(max_batch)]
+        self.costs = costs
+        self.rows: list[_Text] = [_Text() for _ in range(max_batch)]
+        self.predicted = np.zeros(MAX_MATCH + 17)  # per depth: the scores of proposed nodes, summed
+        self.reached = np.zeros(MAX_MATCH + 17)  # per depth: rounds whose accepted path reached it
+        self._round: list | None = None  # this round's proposals: (row, n, scores per depth) for accepted()
+        self._idle = 0  # rounds since a row last proposed while it had a match
+
+    # -- the Drafter protocol ---------------------------------------------------------------
 
     def admit(self, row, prefix, n):
-        self.rows[row] = _Index()
+        self.rows[row] = _Text()
 
     def reusable(self, prefix):
         return 1 << 62  # no cache of its own: any prefix
@@ -151,12 +221,9 @@ class SuffixDrafter:
     def prefill(self, input_ids, position_ids, first_row, fed):
         pass
 
-    def accepted(self, valid):
-        pass
-
     def move_row(self, src, dst):
         self.rows[dst] = self.rows[src]
-        self.rows[src] = _Index()
+        self.rows[src] = _Text()
 
     def finish(self, row: int, tokens) -> None:
         """A request leaves ``row``: its output (after its prompt's last MAX_MATCH tokens) joins the shared cache."""
@@ -167,39 +234,94 @@ class SuffixDrafter:
         # round's own clock counts this host work
         b = n.size
         trees = []
-        for r in range(b):
-            index, length, depth = self.rows[r], int(n[r]), int(caps[r])
-            if len(index.seq) < length:
-                index.extend(tokens[r, len(index.seq) : length].tolist())
-            trees.append(self._tree(index, depth) if depth > 0 else ([], []))
+        self._round = []
+        for r, (length, depth) in enumerate(zip(n.tolist(), caps.tolist())):
+            if depth <= 0:
+                trees.append(([], []))
+                continue
+            text = self.rows[r]
+            if len(text) < length:
+                text.extend(tokens[r, len(text) : length].tolist())
+            processor = samplers[r].processor if samplers is not None else None
+            grammar = processor if processor is not None and processor.constraint is not None else None
+            nodes, parents, scores, depths = self._candidates(text, depth, grammar)
+            keep = self._shape(b, scores, depths)
+            if keep < len(nodes):
+                nodes, parents, scores, depths = nodes[:keep], parents[:keep], scores[:keep], depths[:keep]
+            if nodes:
+                if self.tree:  # parents before children
+                    order = sorted(range(len(nodes)), key=depths.__getitem__)
+                    at = {j: i for i, j in enumerate(order)}
+                    nodes = [nodes[j] for j in order]
+                    parents = [at[parents[j]] if parents[j] >= 0 else -1 for j in order]
+                    scores, depths = [scores[j] for j in order], [depths[j] for j in order]
+                self._round.append((r, length, depths, scores))
+            trees.append((nodes, parents))
         drafts, parents, counts = pack_trees(trees, max([len(t) for t, _ in trees] + [0]))
         if not self.tree:
             return Proposal(drafts, counts)
         return Proposal(drafts, counts, None, [], parents, f"suffix{self.tree_nodes}")
 
-    def _continuations(self, index: _Index, depth: int) -> list[list[int]]:
-        seq = index.seq
-        for m in range(min(MAX_MATCH, len(seq)), MIN_MATCH - 1, -1):
-            key = tuple(seq[-m:])
-            found = [seq[p : p + depth] for p in reversed(index.grams.get(key, ()))]
-            found += self.cache.continuations(key, depth)
-            if found:
-                return found[:MAX_OCCURRENCES]
-        return []
+    def accepted(self, valid):
+        """The verdicts calibrate the scores: at each depth, how often the accepted path reached it against the
+        summed scores of the nodes proposed there."""
+        if not self._round:
+            return
+        predicted, reached = self.predicted, self.reached
+        for r, length, depths, scores in self._round:
+            got = max(0, int(valid[r]) - length) if r < valid.size else 0
+            for d, score in zip(depths, scores):
+                predicted[d] += score
+            reached[1 : min(got, depths[-1]) + 1] += 1
+        full = predicted > _CALIBRATION_MEMORY
+        predicted[full] *= 0.5
+        reached[full] *= 0.5
+        self._round = None
 
-    def _tree(self, index: _Index, depth: int) -> tuple[list[int], list[int]]:
-        """(tokens, parents) of this row's proposal: the trie of continuations, best nodes first."""
-        found = self._continuations(index, depth)
+    # -- proposals ------------------------------------------------------------------------------
+
+    def _continuations(self, text: _Text, depth: int) -> list[list[int]]:
+        tail = text.seq[-MAX_MATCH:].tolist()
+        m, found = text.find(tail)
+        seq, base = text.seq, text.base
+        own = [seq[p - base : p - base + depth].tolist() for p in found]
+        if m == MAX_MATCH or not self.cache.tokens:  # (the cache could only tie)
+            return own[:MAX_OCCURRENCES]
+        m_cache, shared = self.cache.find(tail, depth)
+        if m_cache > m:
+            return shared[:MAX_OCCURRENCES]
+        if m_cache == m:
+            own += shared
+        return own[:MAX_OCCURRENCES]
+
+    def _candidates(self, text: _Text, depth: int, grammar) -> tuple[list, list, list, list]:
+        """(tokens, parents, scores, depths) of this row's candidate nodes, best first (a parent before its
+        children): the trie of continuations, or its likeliest path (chains), nodes scoring below min_score out."""
+        found = self._continuations(text, depth)
         if not found:
-            return [], []
+            return [], [], [], []
         total = len(found)
         # repetitive text repeats its continuations: count each distinct one once (latest first, for ties)
         distinct: dict[tuple, int] = {}
         for cont in found:
             key = tuple(cont)
             distinct[key] = distinct.get(key, 0) + 1
+        if grammar is not None:  # cut each at the first token the request's grammar forbids
+            cut: dict[tuple, int] = {}
+            for cont, w in distinct.items():
+                key = cont[: grammar.allowed_prefix(list(cont))] if cont else cont
+                cut[key] = cut.get(key, 0) + w
+            distinct = cut
+        floor = self.min_score * total
+        if len(distinct) == 1:  # one continuation (repeated text): a chain, each node as likely as the next
+            (cont, w), = distinct.items()
+            if w < floor or not cont:
+                return [], [], [], []
+            score = w / total
+            return list(cont), list(range(-1, len(cont) - 1)), [score] * len(cont), list(range(1, len(cont) + 1))
         if not self.tree:  # a chain: the likeliest next token at each step, among the continuations still agreeing
             chain: list[int] = []
+            scores: list[float] = []
             live = list(distinct.items())
             while len(chain) < depth:
                 j = len(chain)
@@ -210,23 +332,168 @@ class SuffixDrafter:
                 if not votes:
                     break
                 token = max(votes, key=votes.get)  # (the first seen, the latest occurrence, wins a tie)
-                if votes[token] < self.min_score * total:
+                if votes[token] < floor:
                     break
                 chain.append(token)
+                scores.append(votes[token] / total)
                 live = [(cont, w) for cont, w in live if len(cont) > j and cont[j] == token]
-            return chain, list(range(-1, len(chain) - 1))
+            return chain, list(range(-1, len(chain) - 1)), scores, list(range(1, len(chain) + 1))
         counts: dict[tuple, int] = {}  # trie node (its path) -> continuations through it
         for cont, w in distinct.items():
             for j in range(1, len(cont) + 1):
                 path = cont[:j]
                 counts[path] = counts.get(path, 0) + w
         # the best nodes by score; ties go to the shallower, so a parent always comes before its children
-        ranked = sorted((p for p, c in counts.items() if c >= self.min_score * total),
-                        key=lambda p: (-counts[p], len(p)))[: self.tree_nodes]
-        position = {}
-        tokens, parents = [], []
-        for path in sorted(ranked, key=len):
-            position[path] = len(tokens)
-            tokens.append(path[-1])
-            parents.append(position[path[:-1]] if len(path) > 1 else -1)
-        return tokens, parents
+        ranked = sorted((p for p, c in counts.items() if c >= floor), key=lambda p: (-counts[p], len(p)))
+        ranked = ranked[: self.tree_nodes]
+        index = {path: i for i, path in enumerate(ranked)}
+        return ([p[-1] for p in ranked], [index[p[:-1]] if len(p) > 1 else -1 for p in ranked],
+                [counts[p] / total for p in ranked], [len(p) for p in ranked])
+
+    def calibration(self, depth: int) -> float:
+        """Accepted per predicted at ``depth`` (1: the scores are taken as they are, before anything is measured)."""
+        return float((self.reached[depth] + _CALIBRATION_PRIOR) / (self.predicted[depth] + _CALIBRATION_PRIOR))
+
+    def _shape(self, b: int, scores: list[float], depths: list[int]) -> int:
+        """How many of the best-first candidates to propose: all (no costs known), or the count with the most
+        tokens expected per second of the verify call."""
+        if not scores or self.costs is None:
+            return len(scores)
+        plain = self.costs(b, 1, self.tree)  # (a tree target verifies even an empty tree in its tree call)
+        if plain is None:
+            return len(scores)
+        # gains: calibrated scores, never above a shallower candidate's (the candidates come best first)
+        best_rate, best, expected, ceiling = 1.0 / plain, 0, 1.0, 1.0
+        for i, (score, d) in enumerate(zip(scores, depths)):
+            ceiling = min(ceiling, score * self.calibration(d))
+            expected += ceiling
+            cost = self.costs(b, i + 2, self.tree)
+            if cost is None:
+                return len(scores)
+            if expected / cost > best_rate:
+                best_rate, best = expected / cost, i + 1
+        if best == 0:
+            self._idle += 1
+            if self._idle >= _PROBE_EVERY:  # keep measuring: the calibration learns only from proposed nodes
+                self._idle, best = 0, 1
+        else:
+            self._idle = 0
+        return best
+
+
+class SuffixThenDraft:
+    """Suffix drafting with a draft model (runtime/drafters.DraftModelDrafter, chains) under it: each round, the
+    rows the suffix drafter proposes nothing for draft with the model, up to the k with the most tokens expected
+    per second from the model's measured acceptance on such rows and the measured call costs (0: those rows
+    verify alone, and the draft catches up on their tokens when it next drafts). The draft reads every prompt
+    alongside the target, as the model drafter alone does."""
+
+    name = "suffix"  # (its rows drafted by the model say "draft": Proposal.sources)
+    drafts_after_forced = False
+
+    def __init__(self, suffix: SuffixDrafter, fallback):
+        self.suffix = suffix
+        self.fallback = fallback
+        self.draft_accepted, self.draft_checked = 0.0, 0.0  # the model's acceptance on the rows it drafted for
+        self.draft_call_s: float | None = None  # a one-token draft call's seconds, measured
+        self._drafted: list | None = None  # this round's model rows: (row, n, drafts)
+
+    @property
+    def costs(self):
+        return self.suffix.costs
+
+    @costs.setter
+    def costs(self, value):
+        self.suffix.costs = value
+
+    @property
+    def cache(self):
+        return self.suffix.cache
+
+    def admit(self, row, prefix, n):
+        self.suffix.admit(row, prefix, n)
+        self.fallback.admit(row, prefix, n)
+
+    def reusable(self, prefix):
+        return self.fallback.reusable(prefix)
+
+    def save_prefix(self, row, n):
+        return self.fallback.save_prefix(row, n)
+
+    def prefill(self, input_ids, position_ids, first_row, fed):
+        self.fallback.prefill(input_ids, position_ids, first_row, fed)
+
+    def move_row(self, src, dst):
+        self.suffix.move_row(src, dst)
+        self.fallback.move_row(src, dst)
+
+    def finish(self, row, tokens):
+        self.suffix.finish(row, tokens)
+
+    def _draft_k(self, b: int, cap: int) -> int:
+        """The model's k for rows without a suffix match: the most tokens expected per second, 0 included."""
+        costs = self.suffix.costs
+        if costs is None or self.draft_call_s is None:
+            return cap
+        alpha = (self.draft_accepted + 0.5 * 8) / (self.draft_checked + 8)  # prior: 0.5, worth 8 drafts
+        best, best_rate = 0, None
+        for k in range(0, cap + 1):
+            verify = costs(b, k + 1, self.suffix.tree)
+            if verify is None:
+                return cap
+            rate = expected_tokens_per_call(alpha, k) / (verify + k * self.draft_call_s)
+            if best_rate is None or rate > best_rate:
+                best, best_rate = k, rate
+        return best
+
+    def propose(self, tokens, n, caps, samplers, capacity):
+        b = n.size
+        proposal = self.suffix.propose(tokens, n, caps, samplers, capacity)
+        need = (proposal.counts == 0) & (caps > 0)
+        self._drafted = None
+        if not need.any():
+            return proposal
+        k = self._draft_k(b, int(caps[need].max()))
+        if k == 0:
+            return proposal
+        chains = self.fallback.propose(tokens, n, np.where(need, np.minimum(caps, k), 0), samplers, capacity)
+        single = [s for rows, t, s in chains.calls[1:] if t == 1]
+        if single:
+            call = sum(single) / len(single)
+            self.draft_call_s = call if self.draft_call_s is None else 0.8 * self.draft_call_s + 0.2 * call
+        drafted = need & (chains.counts > 0)
+        if not drafted.any():
+            proposal.calls = chains.calls
+            return proposal
+        self._drafted = [(r, int(n[r]), int(chains.counts[r])) for r in np.flatnonzero(drafted)]
+        width = max(proposal.drafts.shape[1], chains.drafts.shape[1])
+        drafts = np.zeros((b, width), np.int64)
+        drafts[:, : proposal.drafts.shape[1]] = proposal.drafts
+        drafts[drafted, : chains.drafts.shape[1]] = chains.drafts[drafted]
+        counts = np.where(drafted, chains.counts, proposal.counts)
+        sources = ["draft" if d else "suffix" for d in drafted.tolist()]
+        if proposal.parents is not None:  # a tree target: the model's chains are trees whose parents are j - 1
+            parents = np.full((b, width), -1, np.int64)
+            parents[:, : proposal.parents.shape[1]] = proposal.parents
+            parents[drafted] = np.arange(width) - 1
+            return Proposal(drafts, counts, None, chains.calls, parents, proposal.shape, sources=sources)
+        probs = None
+        if chains.probs is not None:  # rows sampling by rejection: a suffix draft is certain (its q is one-hot)
+            probs = np.zeros((b, width, chains.probs.shape[-1]), chains.probs.dtype)
+            probs[drafted, : chains.probs.shape[1]] = chains.probs[drafted]
+            for r in np.flatnonzero(~drafted):
+                probs[r, np.arange(int(counts[r])), drafts[r, : int(counts[r])]] = 1.0
+        return Proposal(drafts, counts, probs, chains.calls, sources=sources)
+
+    def accepted(self, valid):
+        self.suffix.accepted(valid)
+        self.fallback.accepted(valid)
+        if self._drafted:
+            for r, length, m in self._drafted:
+                got = max(0, min(int(valid[r]) - length, m))
+                self.draft_accepted += got
+                self.draft_checked += got + (got < m)
+            if self.draft_checked > 512:
+                self.draft_accepted *= 0.5
+                self.draft_checked *= 0.5
+        self._drafted = None

@@ -41,6 +41,20 @@ class _SchedulerCollector:
         for shape, n in sorted(s.tree_shapes.items()):
             tree.add_metric([str(shape)], n)
         yield tree
+        by = GaugeMetricFamily("trtspec_draft_acceptance_rate_by_drafter",
+                               "Accepted / proposed draft tokens since start, by the drafter that proposed them",
+                               labels=["drafter"])
+        proposed = CounterMetricFamily("trtspec_draft_tokens_proposed_by_drafter", "Draft tokens proposed, by drafter",
+                                       labels=["drafter"])
+        accepted = CounterMetricFamily("trtspec_draft_tokens_accepted_by_drafter", "Draft tokens accepted, by drafter",
+                                       labels=["drafter"])
+        for name, (p, a) in sorted(s.by_drafter.items()):
+            by.add_metric([name], a / p if p else 0.0)
+            proposed.add_metric([name], p)
+            accepted.add_metric([name], a)
+        yield by
+        yield proposed
+        yield accepted
 
 
 class Metrics:
