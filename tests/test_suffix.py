@@ -72,17 +72,19 @@ def test_a_cached_continuation_ends_where_its_output_ended():
 
 
 def test_the_round_shape_pays_for_its_verify_call():
-    history = [1, 2, 3, 4, 5, 6, 7, 8] * 4 + [1, 2, 3]  # each node certain so far: score 1 at every depth
+    # three earlier occurrences of (8, 1, 2, 3), all followed by 4 5 6 7: score 3/4 at every depth
+    history = [1, 2, 3, 4, 5, 6, 7, 8] * 4 + [1, 2, 3]
     cheap = SuffixDrafter(1, costs=lambda b, t, tree: 1.0 + 0.5 * (t - 1))
-    assert propose(cheap, [history], 4).drafts[0].tolist() == [4, 5, 6, 7]  # (1 + m) / (1 + m / 2) grows with m
-    # the verdicts say depth 1 is accepted, deeper never: depth 2 is proposed until its calibrated gain no longer
-    # pays for its slot ((2 + g) / 2 < 2 / 1.5), then only the first node
+    # (1 + 0.75 m) / (1 + m / 2) grows with m
+    assert propose(cheap, [history], 4).drafts[0].tolist() == [4, 5, 6, 7]
+    # the verdicts say depth 1 is accepted, deeper never: depth 2 is proposed until its calibrated gain g no longer
+    # pays for its slot ((1.75 + g) / 2 < 1.75 / 1.5), then only the first node
     for _ in range(40):
         propose(cheap, [history], 4)
         cheap.accepted(np.array([len(history) + 1]))
-    assert cheap.calibration(1) > 0.9 and cheap.calibration(2) <= 2 / 3 + 1e-9
+    assert cheap.calibration(1) > 1.0 and 0.75 * cheap.calibration(2) <= 1.75 * 2 / 1.5 - 1.75 + 1e-9
     assert propose(cheap, [history], 4).drafts[0].tolist() == [4]
-    # a verify slot costing as much as a decode call: a certain node only breaks even, so nothing is proposed,
+    # a verify slot costing as much as a decode call: a node scoring below 1 never pays, so nothing is proposed,
     # but one node goes out every _PROBE_EVERY rounds, so the calibration keeps learning
     dear = SuffixDrafter(1, costs=lambda b, t, tree: 1.0 * t)
     counts = [int(propose(dear, [history], 4).counts[0]) for _ in range(2 * _PROBE_EVERY)]

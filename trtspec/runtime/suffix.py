@@ -296,7 +296,9 @@ class SuffixDrafter:
 
     def _candidates(self, text: _Text, depth: int, grammar) -> tuple[list, list, list, list]:
         """(tokens, parents, scores, depths) of this row's candidate nodes, best first (a parent before its
-        children): the trie of continuations, or its likeliest path (chains), nodes scoring below min_score out."""
+        children): the trie of continuations, or its likeliest path (chains), nodes through fewer than min_score of
+        the continuations out. A score is the share of continuations through the node, counting one more that
+        goes elsewhere (a lone occurrence is a guess, not a certainty: 1/2; 16 agreeing: 16/17)."""
         found = self._continuations(text, depth)
         if not found:
             return [], [], [], []
@@ -317,7 +319,7 @@ class SuffixDrafter:
             (cont, w), = distinct.items()
             if w < floor or not cont:
                 return [], [], [], []
-            score = w / total
+            score = w / (total + 1)
             return list(cont), list(range(-1, len(cont) - 1)), [score] * len(cont), list(range(1, len(cont) + 1))
         if not self.tree:  # a chain: the likeliest next token at each step, among the continuations still agreeing
             chain: list[int] = []
@@ -335,7 +337,7 @@ class SuffixDrafter:
                 if votes[token] < floor:
                     break
                 chain.append(token)
-                scores.append(votes[token] / total)
+                scores.append(votes[token] / (total + 1))
                 live = [(cont, w) for cont, w in live if len(cont) > j and cont[j] == token]
             return chain, list(range(-1, len(chain) - 1)), scores, list(range(1, len(chain) + 1))
         counts: dict[tuple, int] = {}  # trie node (its path) -> continuations through it
@@ -348,7 +350,7 @@ class SuffixDrafter:
         ranked = ranked[: self.tree_nodes]
         index = {path: i for i, path in enumerate(ranked)}
         return ([p[-1] for p in ranked], [index[p[:-1]] if len(p) > 1 else -1 for p in ranked],
-                [counts[p] / total for p in ranked], [len(p) for p in ranked])
+                [counts[p] / (total + 1) for p in ranked], [len(p) for p in ranked])
 
     def calibration(self, depth: int) -> float:
         """Accepted per predicted at ``depth`` (1: the scores are taken as they are, before anything is measured)."""
