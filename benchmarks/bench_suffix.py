@@ -102,7 +102,7 @@ def by_depth(histogram) -> list[float]:
 
 def host_cost(texts: list[list[int]], trees: bool, rounds: int = 40) -> float:
     """Median microseconds of SuffixDrafter.propose over 8 rows, 3 new known tokens a row per round."""
-    from trtspec.runtime.suffix import SuffixDrafter
+    from trtspec.runtime.drafters.suffix import SuffixDrafter
 
     rows = texts[:8]
     cap = max(map(len, rows)) + 8

@@ -149,7 +149,16 @@ def test_distill_refuses_bad_input(tmp_path, target, corpus):
     (mismatched / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(TrtspecError, match="do not belong together"):
         distill(mismatched, tmp_path / "d5", [corpus], **quiet)
-    for d in ("d1", "d2", "d3", "d4", "d5"):
+    # options of one method given to another
+    with pytest.raises(TrtspecError, match="unknown method 'lora'"):
+        distill(target, tmp_path / "d6", [corpus], method="lora", **quiet)
+    with pytest.raises(TrtspecError, match="layers, kd_weight apply to a draft model .method=.draft.., not to eagle3 heads"):
+        distill(target, tmp_path / "d7", [corpus], method="eagle3", layers=2, kd_weight=0.5, **quiet)
+    with pytest.raises(TrtspecError, match="intermediate applies to a draft model .method=.draft.., not to medusa heads"):
+        distill(target, tmp_path / "d8", [corpus], method="medusa", intermediate=64, **quiet)
+    with pytest.raises(TrtspecError, match="draft_vocab sizes a head's vocabulary"):
+        distill(target, tmp_path / "d9", [corpus], draft_vocab=256, **quiet)
+    for d in ("d1", "d2", "d3", "d4", "d5", "d6", "d7", "d8", "d9"):
         assert not (tmp_path / d).exists()
 
 

@@ -178,9 +178,9 @@ def test_eagle3_under_a_grammar_ends_its_chain_where_its_vocabulary_allows_nothi
 
 def test_eagle3_with_a_self_consistent_head_accepts(tmp_path, exported, built, model_dir):
     """A head trained for a few steps on the tiny target's own samples agrees with it often: drafts get accepted,
-    through the scheduler (chains and a tree), and the output stays the target's."""
-    from trtspec.heads.export import export_head
-    from trtspec.heads.train import distill_eagle3
+    through the scheduler (chains and a tree), and the output stays the target's. (Through the public API, as the
+    README shows it: trtspec.distill(method="eagle3"), trtspec.export_head.)"""
+    from trtspec import distill, export_head
 
     text = tmp_path / "text"
     text.mkdir()
@@ -189,8 +189,8 @@ def test_eagle3_with_a_self_consistent_head_accepts(tmp_path, exported, built, m
     samples = gen.generate(["def", "The", "import", "class", "for", "x ="] * 2, max_new_tokens=60)
     for i, r in enumerate(samples):
         (text / f"s{i}.py").write_text(r.text)
-    distill_eagle3(model_dir(ARCH), tmp_path / "head", [text], heldout=[text / "s0.py"], draft_vocab=320, steps=60,
-                   batch=8, seq=32, lr=5e-3, eval_prompts=0, ttt_steps=2)
+    distill(model_dir(ARCH), tmp_path / "head", [text], method="eagle3", heldout=[text / "s0.py"], draft_vocab=320,
+            steps=60, batch=8, seq=32, lr=5e-3, eval_prompts=0, ttt_steps=2)
     head = export_head(tmp_path / "head", tmp_path / "head-export", target=target)
     prompts = ["def", "The quick"]
     reference = [r.token_ids for r in gen.generate(prompts, max_new_tokens=30)]
@@ -218,12 +218,36 @@ def test_head_and_target_must_match(eagle, exported, tmp_path, model_dir):
         Generator(load_engine(plain), drafter="eagle3")
 
 
+def test_a_head_finds_the_targets_embedding_after_the_export_moved(eagle, exported, tmp_path, model_dir):
+    """The released head has no embedding of its own: export_head takes the target's from the HF directory the
+    engine's manifest names, which the engine keeps even when its export directory has moved; where that directory
+    is unknown, the error says which option gives it."""
+    import shutil
+
+    from trtspec import build, export_head
+    from trtspec.errors import ArtifactError
+
+    _, _, head_dir = eagle
+    x = shutil.copytree(exported(ARCH, hidden_states="low,mid,high"), tmp_path / "export")
+    engine = build(x, tmp_path / "engine")
+    x.rename(tmp_path / "export-moved")
+    head = export_head(head_dir, tmp_path / "head", target=engine)
+    assert head.is_dir()
+    manifest = json.loads((engine / "manifest.json").read_text())
+    manifest["source"].pop("model_dir")  # as an engine built before engines named their HF directory
+    unknown = shutil.copytree(engine, tmp_path / "engine-old")
+    (unknown / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match="--target-model DIR"):
+        export_head(head_dir, tmp_path / "head2", target=unknown)
+    assert export_head(head_dir, tmp_path / "head3", target=unknown, target_model=model_dir(ARCH)).is_dir()
+
+
 # -- Medusa -----------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def medusa(tmp_path_factory, built, model_dir):
     """Medusa heads trained briefly on the tiny target's own greedy text (so they agree with it often)."""
-    from trtspec.heads.train import distill_medusa
+    from trtspec import distill
 
     tmp = tmp_path_factory.mktemp("medusa")
     target = built(ARCH, tree=True, hidden_states="last")
@@ -232,8 +256,8 @@ def medusa(tmp_path_factory, built, model_dir):
     for i, r in enumerate(Generator(load_engine(target)).generate(["def", "The", "import", "class", "for", "x ="] * 2,
                                                                   max_new_tokens=60)):
         (text / f"s{i}.py").write_text(r.text)
-    distill_medusa(model_dir(ARCH), tmp / "heads", [text], heldout=[text / "s0.py"], num_heads=3, draft_vocab=320,
-                   steps=60, batch=8, seq=32, lr=5e-3, eval_prompts=0)
+    distill(model_dir(ARCH), tmp / "heads", [text], method="medusa", heldout=[text / "s0.py"], medusa_heads=3,
+            draft_vocab=320, steps=60, batch=8, seq=32, lr=5e-3, eval_prompts=0)
     return target, tmp / "heads"
 
 

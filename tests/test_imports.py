@@ -156,6 +156,15 @@ def test_engines_do_not_import_the_builder():
     assert not {m: t for m, t in wrong.items() if t}
 
 
+def test_the_runtime_imports_nothing_from_heads_or_distillation():
+    """Training and exporting drafts (heads/, distill.py) use the runtime to measure them; the runtime runs every
+    drafter from runtime/drafters/ and never imports the training side."""
+    graph = import_graph(module_files())
+    wrong = {m: sorted(t for t in graph[m] if t.startswith(("trtspec.heads", "trtspec.distill"))) for m in graph
+             if m.startswith("trtspec.runtime")}
+    assert not {m: t for m, t in wrong.items() if t}
+
+
 def test_find_cycles_reports_each_elementary_cycle_once():
     graph = {"a": {"b": [1]}, "b": {"a": [2], "c": [3]}, "c": {"a": [4]}, "d": {"d": [5]}, "e": {"a": [6]}}
     assert find_cycles(graph) == [["a", "b", "a"], ["a", "b", "c", "a"], ["d", "d"]]

@@ -769,7 +769,7 @@ def test_new_families_speculate_losslessly_with_their_int4_self_draft(exported, 
 
 def test_self_draft_is_built_once_and_greedy_equals_the_target(exported, tmp_path):
     from trtspec import self_draft
-    from trtspec.runtime.self_draft import block_for
+    from trtspec.runtime.drafters.self_draft import block_for
 
     target = build(exported("llama"), tmp_path / "target")
     prompts = ["def add(a, b):", "The quick brown fox"]

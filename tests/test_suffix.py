@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from trtspec import Generator, Scheduler, load_engine
-from trtspec.runtime.suffix import _PROBE_EVERY, MAX_OCCURRENCES, SuffixCache, SuffixDrafter
+from trtspec.runtime.drafters.suffix import _PROBE_EVERY, MAX_OCCURRENCES, SuffixCache, SuffixDrafter
 
 ARCH = "llama-gqa-rope3"
 PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add(a, b):", "The quick brown fox jumps over the lazy dog. The quick",

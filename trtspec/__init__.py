@@ -18,9 +18,10 @@ from .errors import (
 )
 from .distill import distill
 from .exporter import export
+from .heads.export import export_head
 from .quantization import quantize
 from .runtime import Generator, GenerationResult, SamplingParams, Scheduler, VocabularyMismatchError
-from .runtime.self_draft import self_draft
+from .runtime.drafters.self_draft import self_draft
 from .torch_backend import compile
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "compile",
     "distill",
     "export",
+    "export_head",
     "load_engine",
     "quantize",
     "self_draft",

@@ -216,7 +216,7 @@ def run_bench(
         configs.append(("trtspec_medusa_tree16", 4, lambda: _trtspec_runner(
             Generator(target_engine, medusa, drafter="medusa", num_draft_tokens=4, k_policy="fixed", tree_nodes=16))))
     if self_draft:  # the target's own INT4 build as its draft (`--draft self`), built once beside the target
-        from .runtime.self_draft import self_draft as build_self_draft
+        from .runtime.drafters.self_draft import self_draft as build_self_draft
 
         try:
             self_engine = load_engine(build_self_draft(target), num_threads=threads)

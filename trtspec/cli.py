@@ -532,9 +532,9 @@ def _add_distill(sub):
     budget = p.add_mutually_exclusive_group()
     budget.add_argument("--steps", type=_positive_int, help="optimiser steps (default 1000; deterministic)")
     budget.add_argument("--minutes", type=float, help="wall-clock budget instead of --steps")
-    p.add_argument("--batch", type=_positive_int, default=16)
+    p.add_argument("--batch", type=_positive_int, help="windows per step (default 16; heads 8)")
     p.add_argument("--seq", type=_positive_int, default=256, help="tokens per training window")
-    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
+    p.add_argument("--lr", type=float, help="peak learning rate (default 3e-3; heads 2e-3)")
     p.add_argument("--temperature", type=float, default=1.0, help="distillation temperature (default 1)")
     p.add_argument("--kd-weight", type=float, default=1.0,
                    help="weight of the KL term; the rest is cross-entropy on the text (0: no distillation)")
@@ -549,25 +549,13 @@ def _add_distill(sub):
     def run(args):
         from .distill import distill
 
-        if args.method != "draft":
-            from .heads.train import distill_eagle3, distill_medusa
-
-            common = dict(heldout=args.heldout, pattern=args.pattern, steps=args.steps, minutes=args.minutes,
-                          batch=args.batch, seq=args.seq, lr=args.lr, seed=args.seed, bf16=not args.no_bf16,
-                          eval_prompts=args.eval_prompts, threads=args.threads)
-            if args.method == "eagle3":
-                distill_eagle3(args.target, args.out, args.data, draft_vocab=args.draft_vocab or 2048,
-                               intermediate=args.intermediate, ttt_steps=args.ttt_steps, **common)
-            else:
-                distill_medusa(args.target, args.out, args.data, draft_vocab=args.draft_vocab or 1024,
-                               num_heads=args.medusa_heads, **common)
-            return
-        distill(args.target, args.out, args.data, heldout=args.heldout, pattern=args.pattern, layers=args.layers,
-                hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads, intermediate=args.intermediate,
-                steps=args.steps, minutes=args.minutes, batch=args.batch, seq=args.seq, lr=args.lr,
-                temperature=args.temperature, kd_weight=args.kd_weight, sampled_fraction=args.sampled_fraction,
-                seed=args.seed, dtype=args.dtype, bf16=not args.no_bf16, eval_prompts=args.eval_prompts,
-                threads=args.threads)
+        distill(args.target, args.out, args.data, method=args.method, heldout=args.heldout, pattern=args.pattern,
+                layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
+                intermediate=args.intermediate, steps=args.steps, minutes=args.minutes, batch=args.batch,
+                seq=args.seq, lr=args.lr, temperature=args.temperature, kd_weight=args.kd_weight,
+                sampled_fraction=args.sampled_fraction, seed=args.seed, dtype=args.dtype, bf16=not args.no_bf16,
+                eval_prompts=args.eval_prompts, threads=args.threads, draft_vocab=args.draft_vocab,
+                ttt_steps=args.ttt_steps, medusa_heads=args.medusa_heads)
 
     p.set_defaults(run=run)
 

@@ -288,18 +288,53 @@ def _check_out_dir(out: Path) -> None:
                            f"--out (a stopped run resumes when only its {WORK}/ directory is there)")
 
 
-def distill(target, out, data, *, heldout=None, pattern: str = "*.py", layers: int | None = None,
-            hidden: int | None = None, heads: int | None = None, kv_heads: int | None = None,
-            intermediate: int | None = None, steps: int | None = None, minutes: float | None = None,
-            batch: int = 16, seq: int = 256, lr: float = 3e-3, temperature: float = 1.0, kd_weight: float = 1.0,
-            sampled_fraction: float = 0.0, seed: int = 0, dtype: str | None = None, bf16: bool = True,
-            eval_prompts: int = 16, eval_k: int = 4, eval_tokens: int = 64, threads: int | None = None,
-            checkpoint_every: int = 50, log_fn=None) -> dict:
+METHODS = ("draft", "eagle3", "medusa")
+_DRAFT_ONLY = {"layers": None, "hidden": None, "heads": None, "kv_heads": None, "temperature": 1.0, "kd_weight": 1.0,
+               "sampled_fraction": 0.0, "dtype": None}
+
+
+def distill(target, out, data, *, method: str = "draft", heldout=None, pattern: str = "*.py",
+            layers: int | None = None, hidden: int | None = None, heads: int | None = None,
+            kv_heads: int | None = None, intermediate: int | None = None, steps: int | None = None,
+            minutes: float | None = None, batch: int | None = None, seq: int = 256, lr: float | None = None,
+            temperature: float = 1.0, kd_weight: float = 1.0, sampled_fraction: float = 0.0, seed: int = 0,
+            dtype: str | None = None, bf16: bool = True, eval_prompts: int = 16, eval_k: int = 4,
+            eval_tokens: int = 64, threads: int | None = None, checkpoint_every: int = 50,
+            draft_vocab: int | None = None, ttt_steps: int = 3, medusa_heads: int = 4, log_fn=None) -> dict:
     """Train a draft for ``target`` into ``out`` (an HF model directory) and return the report (see module doc).
 
+    ``method``: "draft" (a small model of the target's family; batch 16, lr 3e-3 by default), "eagle3" (an
+    EAGLE-3 head on the target's low/mid/high features, heads/train.distill_eagle3: ``draft_vocab`` 2048,
+    ``ttt_steps``, ``intermediate``) or "medusa" (Medusa heads on its last hidden state, heads/train.distill_medusa:
+    ``draft_vocab`` 1024, ``medusa_heads``); heads train with batch 8, lr 2e-3 by default. ``trtspec distill
+    --method`` is this call.
     data/heldout: text files or directories (searched for ``pattern``). Without ``heldout``, files whose
     relative path hashes to 0 mod 20 are held out (and never trained on).
     """
+    if method not in METHODS:
+        raise DistillError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    if method != "draft":
+        given = dict(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, temperature=temperature,
+                     kd_weight=kd_weight, sampled_fraction=sampled_fraction, dtype=dtype)
+        wrong = [name for name, value in given.items() if value != _DRAFT_ONLY[name]]
+        if method == "medusa" and intermediate is not None:
+            wrong.append("intermediate")
+        if wrong:
+            raise DistillError(f"{', '.join(wrong)} {'apply' if len(wrong) > 1 else 'applies'} to a draft model "
+                               f"(method='draft'), not to {method} heads: drop {'them' if len(wrong) > 1 else 'it'}")
+        from .heads.train import distill_eagle3, distill_medusa
+
+        common = dict(heldout=heldout, pattern=pattern, steps=steps, minutes=minutes, batch=batch or 8, seq=seq,
+                      lr=lr or 2e-3, seed=seed, bf16=bf16, eval_prompts=eval_prompts, threads=threads,
+                      checkpoint_every=checkpoint_every, log_fn=log_fn)
+        if method == "eagle3":
+            return distill_eagle3(target, out, data, draft_vocab=draft_vocab or 2048, intermediate=intermediate,
+                                  ttt_steps=ttt_steps, eval_k=eval_k, eval_tokens=eval_tokens, **common)
+        return distill_medusa(target, out, data, draft_vocab=draft_vocab or 1024, num_heads=medusa_heads, **common)
+    if draft_vocab is not None:
+        raise DistillError("draft_vocab sizes a head's vocabulary (method 'eagle3' or 'medusa'); a draft model "
+                           "keeps the target's")
+    batch, lr = batch or 16, lr or 3e-3
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 

@@ -80,11 +80,19 @@ def atomic_artifact(out_dir: str | os.PathLike, manifest: dict):
 
 
 def export_source(export_dir: Path) -> dict:
-    """The ``source`` block of an engine manifest: which export it was built from, by manifest hash."""
-    return {
+    """The ``source`` block of an engine manifest: which export it was built from, by manifest hash, and the HF
+    model directory the export was made from (so an engine still names it after its export has moved)."""
+    source = {
         "export_dir": str(Path(export_dir).resolve()),
         "export_manifest_sha256": sha256_file(Path(export_dir) / MANIFEST),
     }
+    try:
+        model_dir = (json.loads((Path(export_dir) / MANIFEST).read_text()).get("source") or {}).get("model_dir")
+    except (OSError, ValueError, AttributeError):
+        model_dir = None
+    if model_dir:
+        source["model_dir"] = model_dir
+    return source
 
 
 def read_manifest(path: str | os.PathLike, *, verify: bool = True) -> dict:

@@ -245,8 +245,10 @@ def load_head(path, target_dir=None):
         raise ArtifactError(f"{path} is not an EAGLE-3 head: {', '.join(missing)} missing from its weights")
     if "embed_tokens.weight" not in state:
         if target_dir is None:
-            raise ArtifactError(f"{path} has no embed_tokens.weight: pass the target model directory to take its "
-                                "embedding from")
+            raise ArtifactError(f"{path} has no embed_tokens.weight of its own, so it takes the target's embedding, "
+                                "and the target's HF model directory is unknown (not recorded, moved or deleted): "
+                                "pass it with --target-model DIR (trtspec export-head) or target_model=DIR "
+                                "(export_head)")
         state["embed_tokens.weight"] = _target_embedding(Path(target_dir))
     if "d2t" not in state:  # a head over the full vocabulary
         state["d2t"] = torch.zeros(config.draft_vocab_size, dtype=torch.long)

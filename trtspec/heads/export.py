@@ -25,11 +25,10 @@ import numpy as np
 
 from ..errors import ArtifactError
 from ..manifest import EXPORT_FORMAT, atomic_artifact, read_manifest, versions
-from . import feature_columns
+from ..runtime.drafters.eagle3 import DRAFT_TO_TARGET, draft_to_target, feature_columns
 
 log = logging.getLogger("trtspec.export")
 GRAPH = "model.onnx"
-DRAFT_TO_TARGET = "draft_to_target.npy"
 KIND = "eagle3"
 
 
@@ -154,14 +153,6 @@ def export_head(head_dir, out_dir, *, target, target_model=None, max_seq_len: in
             manifest["tokenizer"] = tm["tokenizer"]
     log.info("exported the EAGLE-3 head %s for %s in %.1f s", head_dir, target, time.perf_counter() - t0)
     return out_dir
-
-
-def draft_to_target(engine) -> np.ndarray:
-    """A head engine's draft id -> target id map [V_draft]."""
-    path = Path(engine.path) / DRAFT_TO_TARGET
-    if not path.is_file():
-        raise ArtifactError(f"{engine.path} has no {DRAFT_TO_TARGET}: not an exported draft head")
-    return np.load(path)
 
 
 __all__ = ["export_head", "draft_to_target"]

@@ -46,7 +46,9 @@ import numpy as np
 from ..engines import load_engine
 from ..engines.base import greedy_steps, lease, tree_positions
 from .adaptive import LoadAwareK
-from .drafters import Drafter, DraftModelDrafter, NoDrafter, PromptLookupDrafter, Proposal
+from .drafters import DRAFTERS, HEADS, Drafter, Proposal, SuffixThenDraft, make_drafter
+from .drafters.self_draft import SELF, self_draft
+from .drafters.suffix import MAX_MATCH as CONTEXT_TOKENS
 from .grammar import GrammarCompiler
 from .logits import LogitsProcessor
 from .output import RequestOutput
@@ -62,15 +64,10 @@ from .request import (
     SchedulerStats,
 )
 from .sampling import SamplingParams, log_probs, logprob_entry
-from .self_draft import SELF, self_draft
 from .speculative import SPECULATIVE_SAMPLING, RowSampler
-from .suffix import MAX_MATCH as CONTEXT_TOKENS
-from .suffix import SuffixDrafter, SuffixThenDraft
 from .tokenizer import encode_prompt, load_tokenizer
 from .vocab import check_same_vocabulary
 
-DRAFTERS = ("draft", "eagle3", "medusa", "prompt_lookup", "suffix", "none")
-HEADS = ("eagle3", "medusa")  # drafters whose draft is a head on the target's features (draft=PATH of the head)
 K_POLICIES = ("load-aware", "fixed")
 _TOKEN_ID = re.compile(r"0|[1-9][0-9]*")  # a logit_bias key as JSON carries a token id: canonical decimal, ASCII
 
@@ -87,7 +84,7 @@ class Scheduler:
     """Continuous batching with speculation over a target engine and an optional drafter.
 
     ``target``/``draft`` are engine or export directories, or loaded engines; ``draft="self"`` drafts with
-    the target's own INT4 build (made once, see runtime/self_draft.py). ``drafter`` is one of DRAFTERS:
+    the target's own INT4 build (made once, see runtime/drafters/self_draft.py). ``drafter`` is one of DRAFTERS:
     "draft" (default when a draft is given), "eagle3"/"medusa" (a head), "prompt_lookup", "suffix" (with a draft
     model: suffix drafting, the model for rows it has no match for) or "none";
     ``tree_width``/``tree_nodes`` shape token trees (a --tree target). ``num_draft_tokens`` is the
@@ -120,7 +117,7 @@ class Scheduler:
     ):
         self.target = _as_engine(target, num_threads)
         self.tokenizer = load_tokenizer(self.target)
-        if isinstance(draft, str) and draft == SELF:  # the target's own INT4 build (runtime/self_draft.py)
+        if isinstance(draft, str) and draft == SELF:  # the target's own INT4 build (runtime/drafters/self_draft.py)
             draft = self_draft(self.target)
         drafter = drafter or ("draft" if draft is not None else "none")
         if drafter not in DRAFTERS:
@@ -170,26 +167,10 @@ class Scheduler:
         self.max_batch = max_batch
         self.drafter: Drafter
         self.tree_width, self.tree_nodes = self._check_tree(tree_width, tree_nodes, drafter)
-        if drafter == "draft":
-            self.drafter = DraftModelDrafter(self.draft, self.pad_id, tree_width=self.tree_width, tree_nodes=tree_nodes)
-        elif drafter == "eagle3":
-            from ..heads.drafter import Eagle3Drafter
-
-            self.drafter = Eagle3Drafter(self.draft, self.target, self.pad_id, tree_width=self.tree_width,
-                                         tree_nodes=tree_nodes)
-        elif drafter == "medusa":  # the heads run in a small graph of their own: no draft engine
-            from ..heads.drafter import MedusaDrafter
-
-            self.drafter = MedusaDrafter(draft, self.target, tree_nodes=tree_nodes)
-        elif drafter == "prompt_lookup":
-            self.drafter = PromptLookupDrafter(max_batch)
-        elif drafter == "suffix":  # trees where the target verifies them; its cache of outputs lives as long as this
-            self.drafter = SuffixDrafter(max_batch, tree=bool(getattr(self.target, "tree_verify", False)),
-                                         tree_nodes=tree_nodes)
-            if self.draft is not None:  # the draft model under it, for rows without a match (chains)
-                self.drafter = SuffixThenDraft(self.drafter, DraftModelDrafter(self.draft, self.pad_id))
-        else:
-            self.drafter = NoDrafter()
+        # a head drafter's draft is its head: an engine (eagle3) or the heads' directory (medusa)
+        self.drafter = make_drafter(drafter, target=self.target, draft=self.draft if self.draft is not None else draft,
+                                    max_batch=max_batch, pad_id=self.pad_id, tree_width=self.tree_width,
+                                    tree_nodes=tree_nodes)
         self.drafter_name = drafter
         self._observe = getattr(self.drafter, "observe", None)  # drafters that read the target's features
         self._learn_output = getattr(self.drafter, "finish", None)  # drafters that learn from finished outputs

@@ -1,9 +1,11 @@
 """OpenAI's wire protocol, the part trtspec serves: request bodies as pydantic models, errors in one place.
 
 Fields a client may send but trtspec cannot honour are accepted only at their no-op values, and
-refused with a 400 that names them otherwise (an OpenAI client sends many of them as null). Range checks that
-OpenAI documents are made here; the rest (token ids, schemas) by the scheduler, whose ValueError becomes a 400.
-Every error the server answers is an APIError made here, most by the named constructors below.
+refused with a 400 that names them otherwise (an OpenAI client sends many of them as null). The checks of a
+body's own shape and of the ranges OpenAI documents are made here; those that depend on the server (its model's
+name, context and vocabulary) in params.py; those that depend on the runtime (token ids, schemas, sampling) by
+Scheduler.make_request, whose ValueError params.submit turns into a 400. Every error the server answers is an
+APIError made here, most by the named constructors below.
 """
 
 from __future__ import annotations

@@ -69,7 +69,7 @@ def make_server(app, *, host: str = "127.0.0.1", port: int = 8000, drain_timeout
     class DrainingServer(uvicorn.Server):
         """SIGTERM/SIGINT (or ``drain()``) drains: the listener stays open and new generations get 503 with
         Retry-After (kept-alive connections too) while those in flight get up to ``drain_timeout`` seconds; the
-        ones still running then end detectably (app._State.drain); then the server stops and ``run`` returns.
+        ones still running then end detectably (guard.ServerState.drain); then the server stops and ``run`` returns.
         A second signal stops it at once."""
 
         drain_requested = False

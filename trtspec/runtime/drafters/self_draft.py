@@ -19,8 +19,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from ..errors import ArtifactError
-from ..manifest import EXPORT_FORMAT, MANIFEST, read_manifest, sha256_file
+from ...errors import ArtifactError
+from ...manifest import EXPORT_FORMAT, MANIFEST, read_manifest, sha256_file
 
 SELF = "self"
 SELF_DRAFT_MODE = "int4-gptq"
@@ -52,7 +52,7 @@ def block_for(export_dir: Path) -> int:
     """
     import onnx
 
-    from ..quantization.quantize import BLOCK_SIZES
+    from ...quantization.quantize import BLOCK_SIZES
 
     graph = onnx.load(str(export_dir / read_manifest(export_dir)["graph"]), load_external_data=False).graph
     dims = {i.name: list(i.dims) for i in graph.initializer}
@@ -68,8 +68,8 @@ def self_draft(target, out_dir: str | os.PathLike | None = None, *, mode: str = 
     ``target``: an engine or export directory, or a loaded engine. ``out_dir`` defaults to
     ``<target>-self-<mode>`` beside it. ``block_size`` None: ``block_for`` the export.
     """
-    from ..builder import build
-    from ..quantization import quantize
+    from ...builder import build
+    from ...quantization import quantize
 
     target_dir = Path(getattr(target, "path", target))
     manifest = getattr(target, "manifest", None) or read_manifest(target_dir)

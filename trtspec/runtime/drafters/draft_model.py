@@ -1,105 +1,17 @@
-"""Drafters propose up to k next tokens per sequence: a draft engine, prompt lookup, or none.
-
-Every drafter implements ``Drafter``; the scheduler knows only that protocol. A drafter sees the
-scheduler's token buffer ``tokens [B, cap]`` and each row's known token count ``n [B]`` (prompt +
-output so far; the last one is not in the target's cache yet). Rows are engine rows: a request enters
-one with ``admit`` (taking back reused prefix slots), reads its prompt alongside the target with
-``prefill``, and the batch is compacted with ``move_row``. ``propose`` returns a Proposal; after the
-target's verdict, ``accepted`` says which tokens of each row are now known to be right.
-"""
+"""Drafting with a small model over its own engine and KV cache: chains, or chains with siblings (trees)."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
 
-from ..engines.base import SavedPrefix, greedy_steps
-from .tree import branching_tree, pack_trees
+from ...engines.base import greedy_steps
+from ..tree import branching_tree, pack_trees
+from .base import Drafter, Proposal
 
 
-@dataclass
-class Proposal:
-    """One round's drafts. ``calls``: the draft-engine calls made for it as (rows, tokens per row, seconds),
-    a catch-up call first; the load-aware k policy learns the draft's costs from them."""
-
-    drafts: np.ndarray  # [B, K] int64
-    counts: np.ndarray  # [B] int64: how many of each row's drafts are real proposals (<= its cap)
-    probs: np.ndarray | None = None  # [B, K, V]: the draft distributions of rows that sample by rejection
-    calls: list[tuple[int, int, float]] = field(default_factory=list)
-    # a token tree instead of chains: parents[r, j] is the index of drafts[r, j]'s parent among the row's drafts,
-    # -1 for the row's last token (parents before children); verified in one tree call (runtime/tree.py)
-    parents: np.ndarray | None = None
-    shape: str | None = None  # the tree's shape as reported in the stats, e.g. "4x3"
-    # [B, K] bool: drafts a grammar forced (jump-forward), not proposed: they count apart from the drafter's own
-    forced: np.ndarray | None = None
-    # each row's drafter by name, where one drafter speaks for another (suffix over a draft model); None: its own
-    sources: list[str] | None = None
-
-    @classmethod
-    def empty(cls, b: int) -> Proposal:
-        return cls(np.zeros((b, 0), np.int64), np.zeros(b, np.int64))
-
-
-class Drafter(Protocol):
-    name: str
-
-    def admit(self, row: int, prefix: SavedPrefix | None, n: int) -> None:
-        """A request takes ``row``; the first n slots of ``prefix`` (from save_prefix) are reused (n may be 0)."""
-
-    def reusable(self, prefix: SavedPrefix | None) -> int:
-        """How many leading tokens of a saved prefix this drafter can take back (no cache of its own: any)."""
-
-    def save_prefix(self, row: int, n: int) -> SavedPrefix | None:
-        """What this drafter keeps of the first n tokens of ``row`` for reuse, or None."""
-
-    def prefill(self, input_ids: np.ndarray, position_ids: np.ndarray, first_row: int, fed: np.ndarray) -> None:
-        """Rows [first_row, first_row + P) read the same prompt chunk as the target: ids [P, T], fed [P]."""
-
-    def propose(self, tokens: np.ndarray, n: np.ndarray, caps: np.ndarray, samplers, capacity: int) -> Proposal:
-        """Up to caps[r] drafts for each row r (tokens [B, cap], n [B], caps [B], one RowSampler per row).
-
-        A drafter with ``drafts_after_forced`` true may be given, for a row whose grammar forces its next tokens, an
-        n past them: they are in ``tokens`` and the row's logits processor, but not yet in the target's cache."""
-
-    def accepted(self, valid: np.ndarray) -> None:
-        """valid [B]: the tokens of each row now known to be right."""
-
-    def move_row(self, src: int, dst: int) -> None:
-        """Row src moves to dst (the batch is compacted)."""
-
-
-_ANY = 1 << 62  # a drafter without a cache reuses any prefix
-
-
-class NoDrafter:
-    name = "none"
-
-    def admit(self, row, prefix, n):
-        pass
-
-    def reusable(self, prefix):
-        return _ANY
-
-    def save_prefix(self, row, n):
-        return None
-
-    def prefill(self, input_ids, position_ids, first_row, fed):
-        pass
-
-    def propose(self, tokens, n, caps, samplers, capacity):
-        return Proposal.empty(n.size)
-
-    def accepted(self, valid):
-        pass
-
-    def move_row(self, src, dst):
-        pass
-
-
-class DraftModelDrafter:
+class DraftModelDrafter(Drafter):
     """Chain drafting with a small model over its own engine and KV cache.
 
     ``tree_width`` > 1 makes each round's chain a tree (runtime/tree.branching_tree): beside the chain token at
@@ -286,64 +198,3 @@ class DraftModelDrafter:
     def move_row(self, src, dst):
         self.engine.move_row(src, dst, int(self.cached[src]))
         self.cached[dst] = self.cached[src]
-
-
-class PromptLookupDrafter:
-    """Propose the continuation of the latest earlier occurrence of the sequence's last n-gram.
-
-    Each row keeps a dict n-gram -> index of the token that followed it, updated
-    with the new tokens only, so a round costs O(new tokens), not O(length).
-    """
-
-    name = "prompt_lookup"
-    drafts_after_forced = True  # the lookup reads the forced tokens like any others
-
-    def __init__(self, max_batch: int, max_ngram: int = 3):
-        self.max_ngram = max_ngram
-        self.rows: list[tuple[dict, list[int]]] = [({}, [0]) for _ in range(max_batch)]  # (index, [indexed upto])
-
-    def admit(self, row, prefix, n):
-        self.rows[row] = ({}, [0])
-
-    def reusable(self, prefix):
-        return _ANY
-
-    def save_prefix(self, row, n):
-        return None
-
-    def prefill(self, input_ids, position_ids, first_row, fed):
-        pass
-
-    def _index(self, row, seq, upto):
-        # add the n-grams ending at positions [done, upto) (each has a known follower)
-        index, done = self.rows[row]
-        for end in range(done[0], upto):
-            for g in range(1, self.max_ngram + 1):
-                if end - g + 1 >= 0:
-                    index[tuple(seq[end - g + 1 : end + 1].tolist())] = end + 1
-        done[0] = max(done[0], upto)
-
-    def propose(self, tokens, n, caps, samplers, capacity):
-        b = n.size
-        k = int(caps.max()) if b else 0
-        drafts = np.zeros((b, k), np.int64)
-        counts = np.zeros(b, np.int64)
-        for row in np.flatnonzero(caps > 0):
-            length = int(n[row])
-            seq = tokens[row]
-            self._index(row, seq, length - 1)
-            index = self.rows[row][0]
-            for g in range(min(self.max_ngram, length), 0, -1):
-                start = index.get(tuple(seq[length - g : length].tolist()))
-                if start is not None:
-                    m = min(int(caps[row]), length - start)
-                    drafts[row, :m] = seq[start : start + m]
-                    counts[row] = m
-                    break
-        return Proposal(drafts, counts)
-
-    def accepted(self, valid):
-        pass
-
-    def move_row(self, src, dst):
-        self.rows[dst] = self.rows[src]

@@ -1,4 +1,4 @@
-"""Drafting with an EAGLE-3 head over the target's own features (heads/eagle3.py, heads/export.py).
+"""Drafting with an EAGLE-3 head over the target's own features (trained by heads/train.py, exported by heads/export.py).
 
 The head's cache holds one entry per target position p that the target has verified: the pair (target features
 of p, token p + 1). The scheduler hands over the features of every position the target verifies (``observe``:
@@ -12,24 +12,44 @@ siblings (runtime/tree.branching_tree), exactly as the draft-model drafter makes
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import numpy as np
 
-from ..errors import ArtifactError
-from ..runtime.drafters import Proposal
-from ..runtime.tree import branching_tree, pack_trees, product_tree
-from .export import draft_to_target
+from ...errors import ArtifactError
+from ..tree import branching_tree, pack_trees
+from .base import Drafter, Proposal
+
+DRAFT_TO_TARGET = "draft_to_target.npy"  # an exported head's draft id -> target id map (heads/export.py writes it)
 
 
-class Eagle3Drafter:
+def feature_columns(model: dict, layers, hidden_size: int, what: str) -> np.ndarray:
+    """The columns of a target's hidden_states output (manifest ``model`` section) that hold ``layers`` (HF
+    hidden_states indices, in that order); refused, saying how to re-export, when the target lacks one."""
+    have = (model.get("hidden_states") or {}).get("layers") or []
+    missing = [i for i in layers if i not in have]
+    if missing:
+        spec = ",".join(str(i) for i in sorted(set(have) | set(layers)))
+        raise ArtifactError(f"{what} reads the target's hidden states {list(layers)} but the target outputs "
+                            f"{have or 'none'}; re-export the target with --hidden-states {spec}")
+    return np.concatenate([np.arange(hidden_size) + have.index(i) * hidden_size for i in layers])
+
+
+def draft_to_target(engine) -> np.ndarray:
+    """A head engine's draft id -> target id map [V_draft]."""
+    path = Path(engine.path) / DRAFT_TO_TARGET
+    if not path.is_file():
+        raise ArtifactError(f"{engine.path} has no {DRAFT_TO_TARGET}: not an exported draft head")
+    return np.load(path)
+
+
+class Eagle3Drafter(Drafter):
     name = "eagle3"
 
     def __init__(self, head, target, pad_id: int, *, tree_width: int = 1, tree_nodes: int | None = None):
         model = head.manifest["model"]
         if model.get("head") != "eagle3":
             raise ArtifactError(f"{head.path} is not an exported EAGLE-3 head (trtspec export-head)")
-        from . import feature_columns
-
         size = model["extra_inputs"]["features"] // len(model["target_layers"])
         # the columns of the target's hidden_states output the head reads (it may output more layers)
         self.columns = feature_columns(target.manifest["model"], model["target_layers"], size, "the EAGLE-3 head")
@@ -193,88 +213,3 @@ class _HeadPrefix:
         self.tokens = features.shape[0]
         self.min_head = 0
         self.nbytes = int(features.nbytes) + (block.nbytes if block is not None else 0)
-
-
-class MedusaDrafter:
-    """Drafting with Medusa heads on the target's last hidden state (heads/medusa.py).
-
-    After each target call the scheduler hands over the features of the verified positions (``observe``); the
-    last one, at position n - 2, predicted the row's last token n - 1 through the target's lm_head, and head i
-    guesses token n + i. A round's tree is the Cartesian product of each head's top choices grown best-first by
-    the product of their probabilities (runtime/tree.product_tree) up to ``tree_nodes`` nodes; a target exported
-    without --tree gets the chain of each head's first choice. No draft engine, no cache: prefixes reuse freely.
-    """
-
-    name = "medusa"
-    TOP = (4, 3, 2, 2, 2, 2, 2, 2)  # candidates per head, nearest first (a node's budget goes best-first anyway)
-
-    def __init__(self, heads, target, *, tree_nodes: int | None = None):
-        from . import feature_columns
-        from .medusa import HeadRunner
-
-        self.heads = heads if isinstance(heads, HeadRunner) else HeadRunner(heads)
-        model = target.manifest["model"]
-        if self.heads.vocab != target.vocab_size or self.heads.hidden * 1 != _hidden_size(target):
-            raise ArtifactError(f"these Medusa heads are for a model of hidden size {self.heads.hidden} and "
-                                f"{self.heads.vocab} tokens, not this target")
-        self.columns = feature_columns(model, [model["num_layers"]], self.heads.hidden, "Medusa")
-        self.tree = bool(getattr(target, "tree_verify", False))
-        self.tree_nodes = tree_nodes or 16
-        rows = target.max_batch
-        self.known = np.zeros(rows, np.int64)
-        self.last = np.zeros((rows, self.heads.hidden), np.float32)
-
-    def admit(self, row, prefix, n):
-        self.known[row] = n  # (the last prompt token is always read: its features come then)
-
-    def reusable(self, prefix):
-        return 1 << 62
-
-    def save_prefix(self, row, n):
-        return None
-
-    def prefill(self, input_ids, position_ids, first_row, fed):
-        pass
-
-    def observe(self, first_row, starts, features):
-        for i, (start, f) in enumerate(zip(starts, features)):
-            if len(f) and start <= self.known[first_row + i]:
-                self.known[first_row + i] = start + len(f)
-                self.last[first_row + i] = f[-1][self.columns]
-
-    def accepted(self, valid):
-        pass
-
-    def move_row(self, src, dst):
-        self.known[dst] = self.known[src]
-        self.last[dst] = self.last[src]
-
-    def propose(self, tokens, n, caps, samplers, capacity):
-        b = n.size
-        ready = (self.known[:b] == n - 1) & (caps > 0)
-        depth = np.where(ready, np.minimum(caps, self.heads.num_heads), 0)
-        if not depth.any():
-            return Proposal(np.zeros((b, 0), np.int64), np.zeros(b, np.int64))
-        t0 = time.perf_counter()
-        top = self.heads.top(self.last[:b], max(self.TOP[: int(depth.max())]))
-        trees = []
-        for r in range(b):
-            d = int(depth[r])
-            if not self.tree:
-                trees.append(([int(top[j][0][r, 0]) for j in range(d)], list(range(-1, d - 1))))
-                continue
-            cands = [list(zip(top[j][0][r, : self.TOP[j]].tolist(), top[j][1][r, : self.TOP[j]].tolist()))
-                     for j in range(d)]
-            trees.append(tuple(product_tree(cands, min(self.tree_nodes, int(caps[r]) * 4))))
-        drafts, parents, counts = pack_trees(trees, self.tree_nodes)
-        calls = [(b, 1, time.perf_counter() - t0)]
-        if not self.tree:
-            return Proposal(drafts, counts, None, calls)
-        return Proposal(drafts, counts, None, calls, parents, f"medusa{self.tree_nodes}")
-
-
-def _hidden_size(engine) -> int:
-    model = engine.manifest["model"]
-    hs = model.get("hidden_states") or {}
-    layers = hs.get("layers") or [None]
-    return hs.get("size", 0) // len(layers)

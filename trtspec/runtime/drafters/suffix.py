@@ -34,9 +34,9 @@ from collections import deque
 
 import numpy as np
 
-from .drafters import Proposal
-from .speculative import expected_tokens_per_call
-from .tree import pack_trees
+from ..speculative import expected_tokens_per_call
+from ..tree import pack_trees
+from .base import Drafter, Proposal
 
 MIN_MATCH = 2  # a suffix shorter than this says too little about what follows
 MAX_MATCH = 8
@@ -181,8 +181,8 @@ class SuffixCache:
         return found if m >= len(key) else []
 
 
-class SuffixDrafter:
-    """The Drafter protocol (runtime/drafters.py) over suffix matches; see the module docstring.
+class SuffixDrafter(Drafter):
+    """The Drafter protocol (drafters/base.py) over suffix matches; see the module docstring.
 
     ``costs``: None (every node scoring at least ``min_score`` is proposed, up to the caps and ``tree_nodes``), or
     a function (rows, tokens per row, tree) -> the verify call's seconds or None (not known yet), which makes
@@ -211,15 +211,6 @@ class SuffixDrafter:
 
     def admit(self, row, prefix, n):
         self.rows[row] = _Text()
-
-    def reusable(self, prefix):
-        return 1 << 62  # no cache of its own: any prefix
-
-    def save_prefix(self, row, n):
-        return None
-
-    def prefill(self, input_ids, position_ids, first_row, fed):
-        pass
 
     def move_row(self, src, dst):
         self.rows[dst] = self.rows[src]
@@ -383,8 +374,8 @@ class SuffixDrafter:
         return best
 
 
-class SuffixThenDraft:
-    """Suffix drafting with a draft model (runtime/drafters.DraftModelDrafter, chains) under it: each round, the
+class SuffixThenDraft(Drafter):
+    """Suffix drafting with a draft model (drafters/draft_model.py, chains) under it: each round, the
     rows the suffix drafter proposes nothing for draft with the model, up to the k with the most tokens expected
     per second from the model's measured acceptance on such rows and the measured call costs (0: those rows
     verify alone, and the draft catches up on their tokens when it next drafts). The draft reads every prompt
