@@ -18,82 +18,30 @@ measured by running speculative decoding through trtspec onnxruntime engines.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
 import shutil
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 
-from .errors import TrtspecError, UnsupportedModelError
-from .training import TrainConfig, TrainLoop, random_windows
+from .errors import UnsupportedModelError
+from .training import (  # (shared with heads/train.py: the data, the teacher, the output directory)
+    REPORT,
+    WORK,
+    DistillError,
+    TrainConfig,
+    TrainLoop,
+    check_out_dir,
+    frozen_teacher,
+    heldout_prompts,
+    load_text,
+    random_windows,
+)
 
 log = logging.getLogger("trtspec")
-
-WORK = ".distill"
-REPORT = "distill_report.json"
-
-
-class DistillError(TrtspecError, ValueError):
-    """Bad input to distill: no data, a non-empty output directory, impossible shapes."""
-
-
-# -- data --------------------------------------------------------------------------------------------------------
-def collect_files(paths, pattern: str = "*.py") -> list[tuple[Path, str]]:
-    """(file, key) for every file given or found under a directory given; key = path relative to the argument."""
-    found = []
-    for arg in paths:
-        arg = Path(arg)
-        if arg.is_dir():
-            for p in sorted(arg.rglob(pattern)):
-                if p.is_file():
-                    found.append((p, p.relative_to(arg).as_posix()))
-        elif arg.is_file():
-            found.append((arg, arg.name))
-        else:
-            raise DistillError(f"training data {arg} does not exist; pass text files or directories of them")
-    return found
-
-
-def heldout_key(key: str) -> bool:
-    """The held-out rule of the bundled pair: sha256(relative path) mod 20 == 0 (~5 % of files)."""
-    return int(hashlib.sha256(key.encode()).hexdigest(), 16) % 20 == 0
-
-
-def encode_files(tokenizer, files: list[Path]) -> np.ndarray:
-    """Every file as <bos> text <eos>, concatenated into one packed stream: [N] int32."""
-    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    ids: list[int] = []
-    for start in range(0, len(files), 64):
-        texts = [Path(p).read_text(encoding="utf-8", errors="replace") for p in files[start : start + 64]]
-        for enc in tokenizer(texts, add_special_tokens=False)["input_ids"]:
-            ids.extend([*bos, *enc, *eos])
-    return np.asarray(ids, dtype=np.int32)
-
-
-def heldout_prompts(files: list[Path], tokenizer, n: int, prompt_tokens: int = 64) -> list[str]:
-    """Whole lines from a third of the way into each held-out file, about prompt_tokens long (the last newline
-    left to the model)."""
-    prompts = []
-    for p in files:
-        lines = Path(p).read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)
-        acc = ""
-        for line in lines[len(lines) // 3 :]:
-            if len(tokenizer(acc + line, add_special_tokens=False)["input_ids"]) > prompt_tokens:
-                break
-            acc += line
-        if len(tokenizer(acc, add_special_tokens=False)["input_ids"]) >= prompt_tokens // 2:
-            # without the last newline: byte-level BPEs write a newline and the next indentation as one token,
-            # so a prompt ending in a bare newline would ask for a line at column 0
-            prompts.append(acc.removesuffix("\n"))
-        if len(prompts) == n:
-            break
-    return prompts
 
 
 # -- the draft's shape -----------------------------------------------------------------------------------------------
@@ -156,49 +104,6 @@ def init_embeddings(draft, target) -> str:
         dst[:rows] = proj[:rows].to(dst.dtype)
         kept = float((s[:h] ** 2).sum() / (s**2).sum())
         return f"the target's embedding on its top {h} principal directions ({kept:.0%} of its variance)"
-
-
-def load_text(tokenizer, data, heldout, pattern: str, seq: int, vocab_size: int, say):
-    """The training and held-out token streams of ``data`` (held out: ``heldout``, else files whose path hashes to
-    0 mod 20; too little held out: the last 5 % of the stream) -> (train_ids, held_ids, train_files, held_files)."""
-    files = collect_files(data, pattern)
-    if heldout is not None:
-        held_files = [p for p, _ in collect_files(heldout, pattern)]
-        held_set = {p.resolve() for p in held_files}
-        train_files = [p for p, _ in files if p.resolve() not in held_set]
-    else:
-        train_files = [p for p, key in files if not heldout_key(key)]
-        held_files = [p for p, key in files if heldout_key(key)]
-    if not train_files:
-        raise DistillError(f"no training text: no {pattern} files under {', '.join(map(str, data))}")
-    t0 = time.perf_counter()
-    train_ids = encode_files(tokenizer, train_files)
-    held_ids = encode_files(tokenizer, held_files) if held_files else np.zeros(0, np.int32)
-    if held_ids.size < seq + 1:  # too little held out: keep the last 5 % of the stream aside instead
-        cut = int(train_ids.size * 0.95)
-        train_ids, held_ids = train_ids[:cut], train_ids[cut:]
-    if train_ids.size < seq + 2:
-        raise DistillError(f"the training text is {train_ids.size} tokens; at least {seq + 2} are needed "
-                           f"(or pass a smaller seq)")
-    if int(train_ids.max()) >= vocab_size:
-        raise DistillError(f"the tokenizer produced id {int(train_ids.max())} >= the model's vocabulary {vocab_size}")
-    say(f"[distill] {len(train_files)} training files ({train_ids.size:,} tokens), {len(held_files)} held out "
-        f"({held_ids.size:,} tokens); tokenized in {time.perf_counter() - t0:.1f} s")
-    return train_ids, held_ids, train_files, held_files
-
-
-def frozen_teacher(target):
-    """The target in float32, in eval mode, without gradients."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from .exporter.gguf import hf_source
-
-    folder, source = hf_source(target)
-    teacher = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **source).eval()
-    for p in teacher.parameters():
-        p.requires_grad_(False)
-    return teacher
 
 
 # -- losses and evaluation ---------------------------------------------------------------------------------------------
@@ -280,14 +185,6 @@ def measure_acceptance(target_dir: Path, draft_dir: Path, prompts: list[str], *,
 
 
 # -- the command -------------------------------------------------------------------------------------------------------
-def _check_out_dir(out: Path) -> None:
-    if out.exists() and not out.is_dir():
-        raise DistillError(f"{out} exists and is not a directory; pass a new or empty --out directory")
-    if out.exists() and any(p.name != WORK for p in out.iterdir()):
-        raise DistillError(f"{out} is not empty; distill writes a new model directory there: pass a new or empty "
-                           f"--out (a stopped run resumes when only its {WORK}/ directory is there)")
-
-
 METHODS = ("draft", "eagle3", "medusa")
 _DRAFT_ONLY = {"layers": None, "hidden": None, "heads": None, "kv_heads": None, "temperature": 1.0, "kd_weight": 1.0,
                "sampled_fraction": 0.0, "dtype": None}
@@ -360,7 +257,7 @@ def distill(target, out, data, *, method: str = "draft", heldout=None, pattern: 
     from .exporter.architectures import arch_spec
 
     spec = arch_spec(target_config)  # unknown families are refused here, before any work
-    _check_out_dir(out)
+    check_out_dir(out)
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, **source)
     except (OSError, ValueError, TypeError) as e:

@@ -11,13 +11,22 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from pathlib import Path
 
 import numpy as np
 
-from ..distill import REPORT, WORK, DistillError, _check_out_dir, frozen_teacher, heldout_prompts, load_text
-from ..training import TrainConfig, TrainLoop, random_windows
+from ..training import (
+    REPORT,
+    WORK,
+    DistillError,
+    TrainConfig,
+    TrainLoop,
+    check_out_dir,
+    frozen_teacher,
+    heldout_prompts,
+    load_text,
+    random_windows,
+)
 
 EAGLE3_STEP_WEIGHT = 0.8  # the loss of drafted position j weighs 0.8^j (EAGLE-3's choice)
 
@@ -35,7 +44,7 @@ def _prepare(target: Path, out: Path, data, heldout, pattern: str, seq: int, dra
     spec = arch_spec(AutoConfig.from_pretrained(target))
     if not 1 <= draft_vocab <= spec.vocab_size:
         raise DistillError(f"draft_vocab must lie in [1, {spec.vocab_size}], got {draft_vocab}")
-    _check_out_dir(out)
+    check_out_dir(out)
     if threads:
         torch.set_num_threads(threads)
     tokenizer = AutoTokenizer.from_pretrained(target)
