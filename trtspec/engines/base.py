@@ -200,6 +200,67 @@ def path_moves(start: int, nodes) -> tuple[np.ndarray, np.ndarray] | None:
     return start + nodes[moved], start + moved
 
 
+class CacheRows:
+    """The cache-row operations of the Engine protocol (move_row, keep_path, save_prefix, load_prefix, reset), written
+    once for every backend over its cache buffers [B, Hkv, slots, D]: numpy arrays (onnxruntime) or torch tensors
+    (TensorRT, the torch backend), which index and assign alike. A backend gives ``_cache_buffers()``, its
+    ``_guard`` (CallGuard) and ``_rings`` (RingRows or None), and where it differs: ``_cache_work()`` (the context
+    of a cache edit: the guard, and a GPU stream), ``_copied(view)`` (a copy that owns its memory) and
+    ``_moves(indices)`` (slot indices where its buffers live). A ring's slots [0, n) clip to the ring: a row past
+    its length moves (and saves) whole."""
+
+    _rings = None
+
+    def _cache_buffers(self):
+        return self.cache.values()
+
+    def _cache_work(self):
+        return self._guard
+
+    @staticmethod
+    def _copied(view):
+        return view.copy()
+
+    def _moves(self, indices):
+        return indices
+
+    def move_row(self, src: int, dst: int, n: int | None = None):
+        with self._cache_work():
+            for buf in self._cache_buffers():
+                buf[dst, :, :n] = buf[src, :, :n]
+            if self._rings is not None:
+                self._rings.moved(src, dst)
+
+    def keep_path(self, row: int, start: int, nodes):
+        moves = path_moves(start, nodes)
+        if moves is None:
+            return
+        src, dst = (self._moves(m) for m in moves)
+        with self._cache_work():
+            for buf in self._cache_buffers():
+                buf[row, :, dst] = buf[row, :, src]  # (fancy indexing reads every source before it writes)
+
+    def save_prefix(self, row: int, n: int):
+        # -> [Hkv, n, D] copies (a wrapped ring: [Hkv, slots, D]), one per cache buffer
+        with self._cache_work():
+            parts = [self._copied(buf[row, :, :n]) for buf in self._cache_buffers()]
+        return self._rings.saved(parts, row, n) if self._rings is not None else SavedPrefix(parts)
+
+    def load_prefix(self, saved, row: int):
+        with self._cache_work():
+            for buf, part in zip(self._cache_buffers(), saved.parts):
+                buf[row, :, : part.shape[1]] = part
+            if self._rings is not None:
+                self._rings.loaded(saved, row)
+
+    def reset(self):
+        with self._cache_work():
+            for buf in self._cache_buffers():
+                buf[...] = 0
+            if self._rings is not None:
+                self._rings.reset()
+
+
 def check_step_inputs(input_ids, position_ids, *, max_batch: int, max_seq_len: int, vocab_size: int,
                       first_row: int = 0, max_call: int | None = None, tree: bool = False):
     """Validate one step call before anything touches the cache; returns C-contiguous int64 arrays.

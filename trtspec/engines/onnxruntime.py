@@ -17,7 +17,7 @@ import numpy as np
 
 from ..exporter.contract import max_call_tokens, slots_by_input
 from ..exporter.contract import HIDDEN_STATES, TREE_MASK
-from .base import CallGuard, SavedPrefix, chain_mask, check_call, check_greedy_steps, path_moves, ring_rows
+from .base import CacheRows, CallGuard, chain_mask, check_call, check_greedy_steps, ring_rows
 
 _NP_DTYPES = {"float32": np.float32, "float16": np.float16}
 
@@ -107,7 +107,7 @@ class _Graph:
         self.other = _Binding(self.session)
 
 
-class OnnxRuntimeEngine:
+class OnnxRuntimeEngine(CacheRows):
     """The step graph on onnxruntime's CPU provider. Not thread-safe: see engines/base.py (Engine).
 
     An engine built with fusion may hold a second graph, ``decode.onnx`` (builder/ort_decode.py), that runs
@@ -276,41 +276,4 @@ class OnnxRuntimeEngine:
             bd.features = np.empty((b, t, self.features_size), dtype=self._logits_dtype)
             bd.io.bind_output(HIDDEN_STATES, "cpu", 0, self._logits_dtype, list(bd.features.shape), bd.features.ctypes.data)
         bd.shape = (b, t)
-
-    # A ring's slots [0, n) clip to the ring: a row past its length moves (and saves) whole.
-    def move_row(self, src: int, dst: int, n: int | None = None):
-        with self._guard:
-            for buf in self.cache.values():
-                buf[dst, :, :n] = buf[src, :, :n]
-            if self._rings is not None:
-                self._rings.moved(src, dst)
-
-    def keep_path(self, row: int, start: int, nodes):
-        moves = path_moves(start, nodes)
-        if moves is None:
-            return
-        src, dst = moves
-        with self._guard:
-            for buf in self.cache.values():
-                buf[row, :, dst] = buf[row, :, src]  # (fancy indexing reads every source before it writes)
-
-    def save_prefix(self, row: int, n: int):
-        # -> [Hkv, n, D] copies (a wrapped ring: [Hkv, slots, D]), one per cache buffer
-        with self._guard:
-            parts = [buf[row, :, :n].copy() for buf in self.cache.values()]
-            return self._rings.saved(parts, row, n) if self._rings is not None else SavedPrefix(parts)
-
-    def load_prefix(self, saved, row: int):
-        with self._guard:
-            for buf, part in zip(self.cache.values(), saved.parts):
-                buf[row, :, : part.shape[1]] = part
-            if self._rings is not None:
-                self._rings.loaded(saved, row)
-
-    def reset(self):
-        with self._guard:
-            for buf in self.cache.values():
-                buf.fill(0)
-            if self._rings is not None:
-                self._rings.reset()
 

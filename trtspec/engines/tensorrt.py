@@ -16,12 +16,13 @@ logic and are tested on CPU; the class is a thin layer over TensorRT and torch.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import ArtifactError, BackendUnavailableError
 import numpy as np
 
-from .base import CallGuard, SavedPrefix, chain_mask, check_call, path_moves
+from .base import CacheRows, CallGuard, chain_mask, check_call
 from .profiles import is_static, select_profile
 from .tensorrt_compat import check_plan_compatible, compute_capability, import_tensorrt
 
@@ -78,7 +79,7 @@ def _cuda_torch():
     return torch
 
 
-class TensorRTEngine:
+class TensorRTEngine(CacheRows):
     """A TensorRT plan with in-place KV cache bindings. Not thread-safe: see engines/base.py (Engine)."""
 
     backend = "tensorrt"
@@ -165,17 +166,6 @@ class TensorRTEngine:
             self.features = f.numpy().reshape(b, t, self.features_size)
         return self._host_logits[:m].numpy().reshape(b, t, self.vocab_size)
 
-    def keep_path(self, row: int, start: int, nodes):
-        moves = path_moves(start, nodes)
-        if moves is None:
-            return
-        torch = self._torch
-        src, dst = (torch.from_numpy(m).cuda() for m in moves)
-        with self._guard, torch.cuda.stream(self._stream):
-            for buf in self.cache.values():
-                buf[row, :, dst] = buf[row, :, src]  # (the gather reads every source before the write)
-            self._stream.synchronize()
-
     def _run(self, index: int, b: int, t: int, first_row: int):
         graph = self._graphs.get((index, b, first_row))
         if graph is not None:
@@ -198,26 +188,16 @@ class TensorRTEngine:
                 context.execute_async_v3(self._stream.cuda_stream)
             self._graphs[(index, b, first_row)] = graph
 
-    def move_row(self, src: int, dst: int, n: int | None = None):
+    # the cache-row operations (engines/base.CacheRows) on this engine's stream; a prefix never leaves the GPU
+    @contextmanager
+    def _cache_work(self):
         with self._guard, self._torch.cuda.stream(self._stream):
-            for buf in self.cache.values():
-                buf[dst, :, :n].copy_(buf[src, :, :n])
-
-    def save_prefix(self, row: int, n: int):
-        # device-to-device copies: a prefix never leaves the GPU
-        with self._guard, self._torch.cuda.stream(self._stream):
-            saved = SavedPrefix([buf[row, :, :n].clone() for buf in self.cache.values()])
-            self._stream.synchronize()
-        return saved
-
-    def load_prefix(self, saved, row: int):
-        with self._guard, self._torch.cuda.stream(self._stream):
-            for buf, part in zip(self.cache.values(), saved.parts):
-                buf[row, :, : part.shape[1]].copy_(part)
+            yield
             self._stream.synchronize()
 
-    def reset(self):
-        with self._guard, self._torch.cuda.stream(self._stream):
-            for buf in self.cache.values():
-                buf.zero_()
-        self._stream.synchronize()
+    @staticmethod
+    def _copied(view):
+        return view.clone()
+
+    def _moves(self, indices):
+        return self._torch.from_numpy(indices).cuda()

@@ -19,10 +19,8 @@ import os
 import time
 from pathlib import Path
 
-import numpy as np
-
-from ..engines.base import (CallGuard, SavedPrefix, chain_mask, check_call, check_greedy_steps, forward_greedy_steps,
-                            path_moves, ring_rows)
+from ..engines.base import (CacheRows, CallGuard, chain_mask, check_call, check_greedy_steps, forward_greedy_steps,
+                            ring_rows)
 from ..exporter.contract import max_call_tokens
 from ..errors import BackendUnavailableError
 from .cached_step import split_outputs, tree_args
@@ -38,7 +36,7 @@ GREEDY_CHUNK = 8
 log = logging.getLogger("trtspec.torch")
 
 
-class TorchEngine:
+class TorchEngine(CacheRows):
     """The engine protocol (engines/base.py) over a compiled torch module; see trtspec.compile().
 
     Not thread-safe (engines/base.py); rows other than [0, B) (``first_row``) run eagerly."""
@@ -152,44 +150,18 @@ class TorchEngine:
                         return done, time.perf_counter() - t0
         return steps, time.perf_counter() - t0
 
-    def keep_path(self, row: int, start: int, nodes):
-        """Move an accepted tree path's K/V (its nodes' call indices, root first) to the consecutive slots from
-        ``start``, within the row (engines/base.py)."""
+    # the cache-row operations: engines/base.CacheRows over this engine's caches
+    def _cache_buffers(self):
+        return self.caches
+
+    @staticmethod
+    def _copied(view):
+        return view.clone()
+
+    def _moves(self, indices):
         import torch
 
-        moves = path_moves(start, nodes)
-        if moves is None:
-            return
-        src, dst = (torch.from_numpy(m).to(self.device) for m in moves)
-        with self._guard:
-            for cache in self.caches:
-                cache[row, :, dst] = cache[row, :, src]  # (the gather reads every source before the write)
-
-    def move_row(self, src: int, dst: int, n: int | None = None):
-        with self._guard:
-            for cache in self.caches:
-                cache[dst, :, :n].copy_(cache[src, :, :n])
-            if self._rings is not None:
-                self._rings.moved(src, dst)
-
-    def save_prefix(self, row: int, n: int):
-        with self._guard:
-            parts = [cache[row, :, :n].clone() for cache in self.caches]
-            return self._rings.saved(parts, row, n) if self._rings is not None else SavedPrefix(parts)
-
-    def load_prefix(self, saved, row: int):
-        with self._guard:
-            for cache, part in zip(self.caches, saved.parts):
-                cache[row, :, : part.shape[1]].copy_(part)
-            if self._rings is not None:
-                self._rings.loaded(saved, row)
-
-    def reset(self):
-        with self._guard:
-            for cache in self.caches:
-                cache.zero_()
-            if self._rings is not None:
-                self._rings.reset()
+        return torch.from_numpy(indices).to(self.device)
 
 
 # torch's cudagraph trees keep their managers in two thread-local attributes of this module
