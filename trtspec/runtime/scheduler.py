@@ -49,6 +49,7 @@ from .adaptive import LoadAwareK
 from .drafters import DRAFTERS, HEADS, Drafter, Proposal, SuffixThenDraft, make_drafter
 from .drafters.self_draft import SELF, self_draft
 from .drafters.suffix import MAX_MATCH as CONTEXT_TOKENS
+from .forced import ahead_of_forced, constrain, forced_counts, forced_tokens
 from .grammar import GrammarCompiler
 from .logits import LogitsProcessor
 from .output import RequestOutput
@@ -755,7 +756,7 @@ class Scheduler:
             n_before = int(n[s])
             try:
                 a, x = r.sampler.verify(drafts[s, :m], q, logits[s, : m + 1], n_before)
-                self._record_verdict(r, a, m, 1, *self._forced_counts(proposal, s, m, range(a)),
+                self._record_verdict(r, a, m, 1, *forced_counts(proposal, s, m, range(a)),
                                      source=self._source(proposal, s))
                 self._emit(s, r, [*drafts[s, :a].tolist(), x])
             except Exception as exc:  # noqa: BLE001 - this request's own failure: it alone ends
@@ -778,14 +779,6 @@ class Scheduler:
         stats.draft_calls += len(proposal.calls)
         stats.verify_s += t2 - t1
         stats.draft_s += t1 - t0
-
-    @staticmethod
-    def _forced_counts(proposal, s, m, accepted_nodes) -> tuple[int, int]:
-        """Row s's grammar-forced drafts: (how many were accepted, how many of its m were forced)."""
-        if proposal.forced is None:
-            return 0, 0
-        mask = proposal.forced[s, :m]
-        return int(mask[list(accepted_nodes)].sum()), int(mask.sum())
 
     def _source(self, proposal, s) -> str:
         return proposal.sources[s] if proposal.sources is not None else self.drafter.name
@@ -851,7 +844,7 @@ class Scheduler:
                 path, x = r.sampler.verify_tree(drafts[s, :m], parents[s, :m], logits[s, : m + 1], n_before)
                 a = len(path)
                 deepest = int(depth[s, : m + 1].max())  # the most this tree could have given
-                self._record_verdict(r, a, deepest, self._width, *self._forced_counts(proposal, s, m, path),
+                self._record_verdict(r, a, deepest, self._width, *forced_counts(proposal, s, m, path),
                                      source=self._source(proposal, s))
             except Exception as exc:  # noqa: BLE001 - this request's own failure: it alone ends
                 self._fault(r, exc)
@@ -874,89 +867,18 @@ class Scheduler:
         if learn:
             self._learn_round(b, k, proposal, stats.generated_tokens - emitted, time.perf_counter() - t0)
 
-    def _forced(self, rows, caps):
-        """{row: the tokens its grammar forces next} (jump-forward: verified without asking the draft), or None when
-        no row has a grammar. A chain drafter drafts after a row's forced tokens within the room left (the row's
-        cap shrinks by them); a tree drafter drafts nothing for the row (its cap becomes 0)."""
-        forced = None
-        room = None
-        after = getattr(self.drafter, "drafts_after_forced", False)
-        for s, r in enumerate(rows):
-            proc = r.sampler.processor
-            if proc is None or proc.constraint is None:
-                continue
-            forced = {} if forced is None else forced
-            tokens = proc.forced()
-            if tokens:
-                room = self._room(rows) if room is None else room
-                tokens = tokens[: min(int(room[s]), self.max_forced, self.max_call - 1)]  # (rings: calls are short)
-            if tokens:
-                forced[s] = tokens
-                caps[s] = max(0, min(int(caps[s]), int(room[s]) - len(tokens), self.max_call - 1 - len(tokens))
-                              if after else 0)
-        return forced
-
-    def _ahead(self, rows, forced, caps):
-        """Each row's length as the drafter sees it: a row that drafts after forced tokens has them in its buffer
-        (where they will be emitted: the grammar allows nothing else) and in its logits processor's state."""
-        n = self._n[: len(rows)]
-        if not forced or not any(caps[s] for s in forced):
-            return n
-        ahead = n.copy()
-        for s, tokens in forced.items():
-            if caps[s]:
-                self._tokens[s, n[s] : n[s] + len(tokens)] = tokens
-                for t in tokens:
-                    rows[s].sampler.processor.push(t)
-                ahead[s] += len(tokens)
-        return ahead
-
     max_forced = 16  # forced tokens verified per round at most (the verify call's width)
 
+    # jump-forward (runtime/forced.py): the tokens a row's grammar forces, verified without asking the drafter
+    def _forced(self, rows, caps):
+        return forced_tokens(rows, caps, lambda: self._room(rows), getattr(self.drafter, "drafts_after_forced", False),
+                             min(self.max_forced, self.max_call - 1), self.max_call)
+
+    def _ahead(self, rows, forced, caps):
+        return ahead_of_forced(rows, forced, caps, self._tokens, self._n[: len(rows)])
+
     def _constrain(self, rows, proposal, forced):
-        """Grammar rows: drafts are cut at the first token the grammar forbids (a draft model proposes under the
-        grammar already; prompt lookup does not); a forced row verifies its forced tokens, then its drafts."""
-        tree = proposal.parents is not None
-        room = self._room(rows)
-        for s, r in enumerate(rows):
-            proc = r.sampler.processor
-            m = int(proposal.counts[s])
-            if proc is None or proc.constraint is None or not m or tree:
-                continue  # (a tree's forbidden nodes are never accepted: the walk sees the processed logits)
-            proc.rollback()  # the drafter's pushed proposals: check from the committed state
-            ahead = forced.get(s, [])
-            # a chain's forced tokens beyond k: cut to the room the verify call has (the cache, the output, a call)
-            m = max(0, min(m, int(room[s]) - len(ahead), self.max_call - 1 - len(ahead)))
-            proposal.counts[s] = max(0, proc.allowed_prefix([*ahead, *proposal.drafts[s, :m].tolist()]) - len(ahead))
-        if not forced:
-            return
-        b, counts = len(rows), proposal.counts
-        width = max([proposal.drafts.shape[1]] + [len(t) + int(counts[s]) for s, t in forced.items()])
-
-        def widened(a, fill):  # [B, K, ...] -> [B, width, ...]
-            out = np.full((b, width, *a.shape[2:]), fill, a.dtype)
-            out[:, : a.shape[1]] = a
-            return out
-
-        drafts = widened(proposal.drafts, 0)
-        probs = None if proposal.probs is None else widened(proposal.probs, 0.0)  # rejection rows
-        marks = np.zeros((b, width), bool) if proposal.forced is None else widened(proposal.forced, False)
-        if tree:
-            proposal.parents = widened(proposal.parents, -1)
-        for s, tokens in forced.items():  # the forced tokens first, then the row's drafts
-            f, m = len(tokens), int(counts[s])
-            drafts[s, f : f + m] = proposal.drafts[s, :m]
-            drafts[s, :f] = tokens
-            marks[s, f : f + m] = False if proposal.forced is None else proposal.forced[s, :m]
-            marks[s, :f] = True
-            if probs is not None:  # a forced token's proposal is certain
-                probs[s, f : f + m] = proposal.probs[s, :m]
-                probs[s, :f] = 0.0
-                probs[s, np.arange(f), tokens] = 1.0
-            counts[s] = f + m
-            if tree:  # a forced row's tokens verify as a chain (tree drafters draft nothing after them)
-                proposal.parents[s, :f] = np.arange(f) - 1
-        proposal.drafts, proposal.probs, proposal.forced = drafts, probs, marks
+        constrain(rows, proposal, forced, self._room(rows), self.max_call)
 
     def _verify_cost(self, b: int, t: int, tree: bool = False) -> float | None:
         """Seconds of a target call over b rows of t tokens (tree calls apart), as measured or fitted so far; None
