@@ -33,7 +33,7 @@ engines/smollm2/manifest.json: | setup
 	$(TRTSPEC) build export/smollm2 -o engines/smollm2
 
 demo: setup engines/smollm2/manifest.json
-	$(TRTSPEC) generate --target engines/smollm2 --drafter prompt_lookup --chat --prompt "$(CHAT)" --max-new-tokens 256
+	$(TRTSPEC) generate --target engines/smollm2 --drafter suffix --chat --prompt "$(CHAT)" --max-new-tokens 256
 
 demo-stdlib: setup engines/stdlib-target/manifest.json engines/stdlib-draft/manifest.json
 	$(TRTSPEC) generate --target engines/stdlib-target --draft engines/stdlib-draft -k 4 \
