@@ -120,6 +120,23 @@ def host_cost(texts: list[list[int]], trees: bool, rounds: int = 40) -> float:
     return statistics.median(times[1:]) * 1e6  # (the first round indexes half of every row)
 
 
+def cache_memory(tokens: int = 1 << 16, output: int = 1024) -> dict:
+    """Python heap bytes (tracemalloc) of a SuffixCache holding ``tokens`` tokens of text that never repeats (random
+    ids below 49152, outputs of ``output`` tokens): its worst case."""
+    import tracemalloc
+
+    from trtspec.runtime.drafters.suffix import SuffixCache
+
+    rng = np.random.default_rng(0)
+    tracemalloc.start()
+    cache = SuffixCache(max_tokens=tokens)
+    for _ in range(tokens // output):
+        cache.add(rng.integers(0, 49152, output).tolist())
+    held = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    return {"tokens": cache.tokens, "bytes": held, "bytes_per_token": held / cache.tokens}
+
+
 def main(argv=None):
     from trtspec import Generator
 
@@ -128,7 +145,13 @@ def main(argv=None):
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--out", type=Path, default=RESULTS / "suffix")
+    ap.add_argument("--cache-memory", action="store_true",
+                    help="only print the shared suffix cache's memory at 64 Ki tokens of text that never repeats")
     args = ap.parse_args(argv)
+    if args.cache_memory:
+        m = cache_memory()
+        print(f"SuffixCache: {m['tokens']} tokens, {m['bytes'] / 2**20:.1f} MiB, {m['bytes_per_token']:.0f} bytes a token")
+        return
     eng = engines()
     he = humaneval(args.prompts)
     workloads = {"humaneval": he, "code-edit": code_edits(args.prompts), "repeat": he}

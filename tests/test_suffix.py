@@ -93,6 +93,16 @@ def test_the_round_shape_pays_for_its_verify_call():
     assert propose(SuffixDrafter(1, costs=lambda b, t, tree: None), [history], 4).counts.tolist() == [4]
 
 
+def test_a_round_deeper_than_any_before_is_proposed_and_calibrated():
+    """k is the engine's to allow (up to a call's width): the per-depth calibration grows to any depth."""
+    history = list(range(1, 41)) * 3 + [1, 2, 3]
+    drafter = SuffixDrafter(1, costs=lambda b, t, tree: 1.0 + 0.01 * (t - 1))
+    p = propose(drafter, [history], 30)
+    assert p.drafts[0, : p.counts[0]].tolist() == list(range(4, 34))
+    drafter.accepted(np.array([len(history) + 30]))
+    assert drafter.calibration(30) > 1.0 and drafter.calibration(31) == 1.0
+
+
 def test_occurrences_are_the_latest_ones():
     drafter = SuffixDrafter(1, min_score=0.0)
     history = []

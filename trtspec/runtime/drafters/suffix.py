@@ -134,9 +134,9 @@ class SuffixCache:
     """Earlier requests' outputs for suffix drafting: at most ``max_tokens`` tokens, oldest out first.
 
     One ``_Text`` of every output, SEP between them: 24 bytes a token in arrays plus the chains' dict entries
-    (about 0.25 KB a token at worst, 16 MB for the default 64 Ki tokens), and no Python object per n-gram, so the
-    garbage collector has nothing to walk. ``add`` and ``continuations`` lock; one cache serves every row of a
-    Scheduler (and its server's lifetime)."""
+    (204 bytes a token at worst, 12.8 MiB for the default 64 Ki tokens: `bench_suffix.py --cache-memory`), and no
+    Python object per n-gram, so the garbage collector has nothing to walk. ``add`` and ``find`` lock; one cache
+    serves every row of a Scheduler (and its server's lifetime)."""
 
     def __init__(self, max_tokens: int = 1 << 16):
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
@@ -175,11 +175,6 @@ class SuffixCache:
             m, found = self._text.find(tail)
             return m, [self._text.continuation(p, depth) for p in found]
 
-    def continuations(self, key, depth: int) -> list[list[int]]:
-        """What followed exactly the n-gram ``key`` in the stored outputs, latest first (up to ``depth`` tokens)."""
-        m, found = self.find([int(t) for t in key], depth)
-        return found if m >= len(key) else []
-
 
 class SuffixDrafter(Drafter):
     """The Drafter protocol (drafters/base.py) over suffix matches; see the module docstring.
@@ -202,8 +197,8 @@ class SuffixDrafter(Drafter):
         self.min_score = min_score
         self.costs = costs
         self.rows: list[_Text] = [_Text() for _ in range(max_batch)]
-        self.predicted = np.zeros(MAX_MATCH + 17)  # per depth: the scores of proposed nodes, summed
-        self.reached = np.zeros(MAX_MATCH + 17)  # per depth: rounds whose accepted path reached it
+        self.predicted = np.zeros(1)  # per depth (index 1..): the scores of proposed nodes, summed
+        self.reached = np.zeros(1)  # per depth: rounds whose accepted path reached it
         self._round: list | None = None  # this round's proposals: (row, n, scores per depth) for accepted()
         self._idle = 0  # rounds since a row last proposed while it had a match
 
@@ -224,8 +219,13 @@ class SuffixDrafter(Drafter):
         # tokens [B, cap] int64, n [B], caps [B] -> Proposal (a tree per row, or chains); no engine calls: the
         # round's own clock counts this host work
         b = n.size
+        if b and int(caps.max()) >= self.predicted.size:  # a deeper round than any before: room for its depths
+            grow = int(caps.max()) + 1 - self.predicted.size
+            self.predicted, self.reached = np.pad(self.predicted, (0, grow)), np.pad(self.reached, (0, grow))
         trees = []
         self._round = []
+        # the verify call's seconds at 1.. tokens a row, asked once a round
+        call_costs = self._call_costs(b, max(caps.max(), self.tree_nodes if self.tree else 0)) if b else None
         for r, (length, depth) in enumerate(zip(n.tolist(), caps.tolist())):
             if depth <= 0:
                 trees.append(([], []))
@@ -236,7 +236,7 @@ class SuffixDrafter(Drafter):
             processor = samplers[r].processor if samplers is not None else None
             grammar = processor if processor is not None and processor.constraint is not None else None
             nodes, parents, scores, depths = self._candidates(text, depth, grammar)
-            keep = self._shape(b, scores, depths)
+            keep = self._shape(call_costs, scores, depths)
             if keep < len(nodes):
                 nodes, parents, scores, depths = nodes[:keep], parents[:keep], scores[:keep], depths[:keep]
             if nodes:
@@ -345,24 +345,29 @@ class SuffixDrafter(Drafter):
 
     def calibration(self, depth: int) -> float:
         """Accepted per predicted at ``depth`` (1: the scores are taken as they are, before anything is measured)."""
+        if depth >= self.predicted.size:
+            return 1.0
         return float((self.reached[depth] + _CALIBRATION_PRIOR) / (self.predicted[depth] + _CALIBRATION_PRIOR))
 
-    def _shape(self, b: int, scores: list[float], depths: list[int]) -> int:
-        """How many of the best-first candidates to propose: all (no costs known), or the count with the most
-        tokens expected per second of the verify call."""
-        if not scores or self.costs is None:
-            return len(scores)
-        plain = self.costs(b, 1, self.tree)  # (a tree target verifies even an empty tree in its tree call)
-        if plain is None:
+    def _call_costs(self, b: int, nodes: int) -> list[float] | None:
+        """The verify call's seconds at b rows of 1..nodes + 1 tokens (a tree target verifies even an empty tree in
+        its tree call), or None while some are unknown (no costs, or nothing measured yet)."""
+        if self.costs is None:
+            return None
+        table = [self.costs(b, t, self.tree) for t in range(1, int(nodes) + 2)]
+        return None if any(c is None for c in table) else table
+
+    def _shape(self, call_costs: list[float] | None, scores: list[float], depths: list[int]) -> int:
+        """How many of the best-first candidates to propose: all (no call costs known), or the count with the most
+        tokens expected per second of the verify call (``call_costs[t - 1]``: its seconds at t tokens a row)."""
+        if not scores or call_costs is None:
             return len(scores)
         # gains: calibrated scores, never above a shallower candidate's (the candidates come best first)
-        best_rate, best, expected, ceiling = 1.0 / plain, 0, 1.0, 1.0
+        best_rate, best, expected, ceiling = 1.0 / call_costs[0], 0, 1.0, 1.0
         for i, (score, d) in enumerate(zip(scores, depths)):
             ceiling = min(ceiling, score * self.calibration(d))
             expected += ceiling
-            cost = self.costs(b, i + 2, self.tree)
-            if cost is None:
-                return len(scores)
+            cost = call_costs[i + 1]
             if expected / cost > best_rate:
                 best_rate, best = expected / cost, i + 1
         if best == 0:
