@@ -254,21 +254,21 @@ def test_a_wrong_acceptance_rule_fails_the_same_test(sampling_setup, monkeypatch
 
     gen, prompt, params, joint = sampling_setup
     if gen.scheduler.sampling == "rejection":
-        def wrong(drafts, draft_probs, target_probs, rng):
+        def wrong(p, candidates, q, rng):
             # a classic bug: after a rejection, draw from p instead of norm(max(0, p - q))
-            for j, x in enumerate(drafts):
-                if rng.random() * draft_probs[j, x] >= target_probs[j, x]:
-                    return j, sample(target_probs[j], rng)
-            return drafts.size, sample(target_probs[drafts.size], rng)
+            for i, x in enumerate(candidates):
+                q_x = 1.0 if q is None else q[i][x]
+                if rng.random() * q_x < p[x]:
+                    return i, int(x)
+            return -1, sample(p, rng)
 
-        monkeypatch.setattr(speculative_module, "accept_sampling", wrong)
+        monkeypatch.setattr(speculative_module, "accept_rejection", wrong)
     else:
-        def wrong(drafts, chosen):
+        def wrong(candidates, token):
             # keeping the draft's token at the first disagreement instead of the target's choice
-            n = min(drafts.size, chosen.size)
-            agree = chosen[:n] == drafts[:n]
-            a = n if agree.all() else int(np.argmin(agree))
-            return a, int(drafts[a] if a < drafts.size else chosen[a])
+            if token in candidates:
+                return candidates.index(token), token
+            return -1, candidates[0] if candidates else token
 
         monkeypatch.setattr(speculative_module, "accept_chosen", wrong)
     counts, _ = _sample_sequences(gen, prompt, params, 20_480, seed=0)

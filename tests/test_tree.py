@@ -277,15 +277,17 @@ def test_tree_sampling_follows_the_target_distribution(tree_sampling, monkeypatc
         # the same test catches a wrong rule: after a rejected child, keep drawing from p (not p without it)
         from trtspec.runtime import speculative
 
-        real = speculative.RowSampler.verify_tree
+        from trtspec.runtime.sampling import sample
 
-        def wrong(self, drafts, parents, logits, position):
-            path, token = real(self, drafts, parents, logits, position)
-            if path or self.rng.random() < 0.5:
-                return path, token
-            return path, int(np.argmax(self.params.probs(logits[0])))  # biased towards the mode
+        real = speculative.accept_rejection
 
-        monkeypatch.setattr(speculative.RowSampler, "verify_tree", wrong)
+        def wrong(p, candidates, q, rng):
+            i, token = real(p, candidates, q, rng)
+            if i >= 0 or not candidates:
+                return i, token
+            return -1, sample(p, rng)  # every child rejected: drawn from p, which may give a rejected child again
+
+        monkeypatch.setattr(speculative, "accept_rejection", wrong)
         counts, _ = _sample_sequences(gen, "def", params, 20_480, seed=0)
         assert _chi_square_p_value(counts, joint) < ALPHA
 
