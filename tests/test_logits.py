@@ -281,7 +281,7 @@ def test_grammar_rounds_verify_forced_tokens_then_drafts_and_rejection_sampling_
     assert all(r.stats.forced_tokens > 0 and r.stats.accepted <= r.stats.proposed for r in spec)
     params = SamplingParams(temperature=1.5, top_k=4)
     eos = set(target.manifest["model"]["special_tokens"]["eos_token_ids"])
-    compiler = gen.scheduler._grammar_compiler()
+    compiler = gen.scheduler.requests.grammar_compiler()
     joint_ids = _exact_joint_constrained(hf_model(model_dir(ARCH)), lambda: compiler.constraint(fmt),
                                          gen.tokenizer(prompt)["input_ids"], params, eos)
     joint = {}

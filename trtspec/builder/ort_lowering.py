@@ -27,7 +27,7 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
-from ..engines.onnxruntime import MATMUL_NBITS_ACCURACY_LEVEL
+from ..engine_contract import MATMUL_NBITS_ACCURACY_LEVEL
 from ..exporter.contract import TREE_MASK
 
 MS = "com.microsoft"

@@ -26,16 +26,14 @@ Everything a caller can get wrong is checked in the caller's thread before the r
 
 Isolation: what one request's own processing raises inside a round — its grammar (which fails or dead-ends only
 while decoding), logits processing, sampling, its sink — fails that request alone (``_fault``): per-row steps
-are guarded, and a batched drafter step that a row's sampler fails (request.RowFault) loses only this round's
+are guarded, and a batched drafter step that a row's sampler fails (speculative.RowFault) loses only this round's
 drafts for the others (drafts never change an output). Only an engine's failure fails the round's requests.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-import re
 import threading
 import time
 from collections import deque
@@ -47,8 +45,6 @@ from .drafters import DRAFTERS, HEADS, Drafter, Proposal, SuffixThenDraft, make_
 from .drafters.self_draft import SELF, self_draft
 from .drafters.suffix import MAX_MATCH as CONTEXT_TOKENS
 from .forced import ahead_of_forced, constrain, forced_counts, forced_tokens
-from .grammar import GrammarCompiler
-from .logits import LogitsProcessor
 from .output import RequestOutput
 from .prefix_cache import PrefixCache
 from .request import (
@@ -56,19 +52,19 @@ from .request import (
     GenerationResult,
     InvalidRequestError,
     Request,
+    RequestBuilder,
     RequestFailedError,
     RequestHandle,
-    RowFault,
     SchedulerStats,
+    check_k,
 )
 from .sampling import SamplingParams, log_probs, logprob_entry
-from .speculative import SPECULATIVE_SAMPLING, RowSampler
-from .tokenizer import encode_prompt, load_tokenizer
+from .speculative import SPECULATIVE_SAMPLING, RowFault
+from .tokenizer import load_tokenizer
 from .vocab import check_same_vocabulary
 from .worker import Worker, open_engine
 
 K_POLICIES = ("load-aware", "fixed")
-_TOKEN_ID = re.compile(r"0|[1-9][0-9]*")  # a logit_bias key as JSON carries a token id: canonical decimal, ASCII
 
 log = logging.getLogger("trtspec.scheduler")
 
@@ -169,7 +165,7 @@ class Scheduler:
         sizes = getattr(self.target, "verify_tokens", None)
         self.allowed_k = [k for k in range(1, min(self.capacity, self.max_call)) if sizes is None or k + 1 in sizes]
         if drafter != "none":
-            self._check_k(num_draft_tokens, allow_any=k_policy == "load-aware")
+            check_k(num_draft_tokens, self.allowed_k, allow_any=k_policy == "load-aware")
         self.num_draft_tokens = num_draft_tokens if drafter != "none" else 0
         widths = (1, self.tree_width) if drafter in ("draft", "eagle3") else (1,)
         self.policy = (LoadAwareK(self.num_draft_tokens, self.allowed_k, widths=widths, nodes=tree_nodes)
@@ -195,7 +191,6 @@ class Scheduler:
         self._rows: list[Request] = []  # engine row i runs self._rows[i]
         self._decoding = 0  # rows [0, D) decode; rows [D, B) are still reading their prompts
         self._waiting: list[Request] = []
-        self._seq = itertools.count()
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -206,7 +201,11 @@ class Scheduler:
         # one without a drafter in the engine's own loop (_decode_alone); False sends every round through the
         # whole loop (the same tokens and statistics; tests and benchmarks compare the two)
         self.lone_row_loops = True
-        self._grammars: GrammarCompiler | None = None
+        # every check of a request, in the caller's thread (request.py): the server's too
+        self.requests = RequestBuilder(self.tokenizer, vocab_size=self.target.vocab_size, bos_id=self.bos_id,
+                                       eos_ids=self.eos_ids, capacity=self.capacity, sampling=sampling,
+                                       drafting=drafter != "none", default_k=self.num_draft_tokens,
+                                       allowed_k=self.allowed_k)
 
     def _check_tree(self, width, nodes, drafter):
         """tree_width / tree_nodes checked against the drafter and the target (a tree needs a --tree export)."""
@@ -225,96 +224,16 @@ class Scheduler:
                                  "tree_width=1 (chains)")
         return width, nodes
 
-    def _check_k(self, k, allow_any=False):
-        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-            raise ValueError(f"num_draft_tokens must be an integer >= 1, got {k!r}")
-        if k not in self.allowed_k and not (allow_any and k <= (self.allowed_k[-1] if self.allowed_k else 0)):
-            shown = f"{self.allowed_k[:8]}{'...' if len(self.allowed_k) > 8 else ''}"
-            raise ValueError(f"num_draft_tokens={k} is not supported by the engines (verify sizes k+1 allowed for k in {shown})")
-
     # -- submitting ------------------------------------------------------------------------
 
     def encode(self, prompt) -> np.ndarray:
         """Token ids of a prompt (a string, or a list of token ids), checked against the engines' capacity."""
-        return encode_prompt(self.tokenizer, prompt, vocab_size=self.target.vocab_size, bos_id=self.bos_id,
-                             capacity=self.capacity)
+        return self.requests.encode(prompt)
 
-    def make_request(self, prompt, *, max_new_tokens=128, temperature=0.0, top_k=None, top_p=None, seed=None,
-                     stop=None, include_stop_str_in_output=False, num_draft_tokens=None, priority=0, sink=None,
-                     prefix_only=False, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0,
-                     logit_bias=None, min_tokens=0, logprobs=None, prompt_logprobs=None,
-                     response_format=None) -> Request:
-        """Validate everything about one request (raising the user's error) without queuing it.
-
-        Logits processing (runtime/logits.py, applied alike to the target and the draft, so speculation stays
-        lossless): ``presence_penalty``/``frequency_penalty`` (OpenAI's), ``repetition_penalty`` (vLLM's),
-        ``logit_bias`` ({token id: bias in [-100, 100]}), ``min_tokens`` (no EOS before), ``response_format``
-        (structured output, runtime/grammar.py). ``logprobs`` N: each token's log-probability and the N most
-        likely (sampling.log_probs says which distribution); ``prompt_logprobs`` N: the prompt's tokens' too.
-        """
-        if not prefix_only and (not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool)
-                                or max_new_tokens < 1):
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        if any(not isinstance(s, str) or not s for s in stop):
-            raise ValueError("stop strings must be non-empty strings")
-        if not isinstance(include_stop_str_in_output, bool):
-            raise ValueError(f"include_stop_str_in_output must be true or false, got {include_stop_str_in_output!r}")
-        if seed is not None and (not isinstance(seed, (int, np.integer)) or isinstance(seed, bool)):
-            raise ValueError(f"seed must be an integer, got {seed!r}")
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
-        bias = self._logit_bias(logit_bias)
-        params = SamplingParams(temperature, top_k, top_p, seed, presence_penalty, frequency_penalty,
-                                repetition_penalty, bias, min_tokens, logprobs)
-        if not prefix_only and min_tokens > max_new_tokens:
-            raise ValueError(f"min_tokens ({min_tokens}) must not exceed max_new_tokens ({max_new_tokens})")
-        if prompt_logprobs is not None and (not isinstance(prompt_logprobs, int) or isinstance(prompt_logprobs, bool)
-                                            or not 0 <= prompt_logprobs <= 20):
-            raise ValueError(f"prompt_logprobs must be an integer in [0, 20] or None, got {prompt_logprobs!r}")
-        if num_draft_tokens is None:
-            k = self.num_draft_tokens
-        elif self.drafter_name == "none":
-            if num_draft_tokens != 0:
-                raise ValueError("num_draft_tokens needs a drafter; this scheduler has none (it decodes one token a call)")
-            k = 0
-        else:
-            if num_draft_tokens != 0:
-                self._check_k(num_draft_tokens, allow_any=False)
-            elif not isinstance(num_draft_tokens, int):
-                raise ValueError(f"num_draft_tokens must be an integer >= 0, got {num_draft_tokens!r}")
-            k = num_draft_tokens
-        ids = self.encode(prompt)
-        constraint = self._grammar_compiler().constraint(response_format) if response_format is not None else None
-        processor = None
-        if params.processed or constraint is not None:
-            processor = LogitsProcessor(params, ids, self.eos_ids, constraint)
-        request = Request(next(self._seq), ids, max_new_tokens if not prefix_only else 0, stop,
-                          include_stop_str_in_output, k, priority, RowSampler(params, self.sampling, processor), sink,
-                          prefix_only)
-        request.prompt_logprobs = prompt_logprobs
-        return request
-
-    def _logit_bias(self, logit_bias) -> tuple:
-        # {token id (an int, or its decimal string as JSON sends it): bias} -> ((id, bias), ...), ids checked.
-        # A string key must be the id's canonical decimal (as OpenAI requires): " 5", "05", "+5" or "٥" (an
-        # Arabic-Indic five, which int() takes) must not quietly name token 5
-        if logit_bias is None:
-            return ()
-        if not isinstance(logit_bias, dict):
-            raise ValueError(f"logit_bias must be a mapping of token ids to biases, got {type(logit_bias).__name__}")
-        pairs = []
-        for key, bias in logit_bias.items():
-            token = int(key) if isinstance(key, str) and _TOKEN_ID.fullmatch(key) else key
-            if not isinstance(token, (int, np.integer)) or isinstance(token, bool) or not 0 <= token < self.target.vocab_size:
-                raise ValueError(f"logit_bias key {key!r} is not a token id of this model (0..{self.target.vocab_size - 1})")
-            pairs.append((int(token), bias))
-        return tuple(pairs)
-
-    def _grammar_compiler(self) -> GrammarCompiler:
-        if self._grammars is None:
-            self._grammars = GrammarCompiler(self.tokenizer, self.target.vocab_size, self.eos_ids)
-        return self._grammars
+    def make_request(self, prompt, **params) -> Request:
+        """Validate everything about one request (raising the user's error) without queuing it: the parameters of
+        Generator.generate (request.RequestBuilder.make, the one validation source)."""
+        return self.requests.make(prompt, **params)
 
     def submit(self, prompt, **params) -> RequestHandle:
         """Queue one request; returns its handle at once. Parameters as Generator.generate, plus
@@ -342,22 +261,9 @@ class Scheduler:
         self._enqueue(requests)
         return handles
 
-    def _group(self, prompt, n, params) -> list[Request]:
-        """n requests sampling one prompt, sample i with seed + i; all but the first start from a copy of the
-        first's cache slots once it has read the prompt (each then reads only the prompt's last token)."""
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {n!r}")
-        seed = params.pop("seed", None)
-        requests = [self.make_request(prompt, seed=None if seed is None else seed + i, **params) for i in range(n)]
-        if n > 1:
-            requests[0].shared_prefix = ()  # asked for: made when it has read its prompt
-            for r in requests[1:]:
-                r.leader = requests[0]
-        return requests
-
     def submit_n(self, prompt, n: int, **params) -> list[RequestHandle]:
         """n independent samples of one prompt sharing its prompt's computation (sample i: seed + i)."""
-        requests = self._group(prompt, n, params)
+        requests = self.requests.group(prompt, n, params)
         handles = []
         for r in requests:
             handles.append(RequestHandle(self, r))
@@ -368,7 +274,7 @@ class Scheduler:
     def submit_async_n(self, prompt, n: int, **params) -> list[AsyncRequestHandle]:
         """submit_n from a coroutine."""
         loop = asyncio.get_running_loop()
-        requests = self._group(prompt, n, params)
+        requests = self.requests.group(prompt, n, params)
         handles = [self._async_handle(r, loop) for r in requests]
         self._enqueue(requests)
         return handles

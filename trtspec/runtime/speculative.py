@@ -7,7 +7,6 @@ import functools
 
 import numpy as np
 
-from .request import RowFault
 from .sampling import SamplingParams, log_probs, logprob_entry, sample
 
 
@@ -47,6 +46,17 @@ def accept_rejection(p: np.ndarray, candidates, q, rng: np.random.Generator) -> 
 
 
 SPECULATIVE_SAMPLING = ("coupled", "rejection")
+
+
+class RowFault(Exception):
+    """Raised out of a batched step (a drafter's proposals) by one request's own processing — its grammar, logits
+    processing or sampling (speculative.RowSampler tags what its methods raise): the scheduler fails that request
+    alone and the round goes on for the others. ``owner``: the RowSampler it came from."""
+
+    def __init__(self, owner, cause: BaseException):
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.owner = owner
+        self.cause = cause
 
 
 def _owned(method):
