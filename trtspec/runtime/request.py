@@ -18,7 +18,7 @@ from .grammar import GrammarCompiler
 from .logits import LogitsProcessor
 from .output import Piece
 from .sampling import SamplingParams
-from .speculative import RowSampler
+from .verify import RowSampler
 from .tokenizer import encode_prompt
 
 

@@ -16,7 +16,7 @@ Engine rows are slots (llama.cpp's server, DESIGN.md §7). Each round:
      [last token, drafts...] (rows with fewer drafts padded). A request that arrived while the round
      drafted is admitted and reads its prompt before the verify call (its first token does not wait for
      the rest of the round and the next one's admission);
-  5. acceptance per row with its own sampling parameters and randomness (speculative.RowSampler); the
+  5. acceptance per row with its own sampling parameters and randomness (verify.RowSampler); the
      accepted tokens join the request through the one stop rule (output.RequestOutput); retirement:
      finished or cancelled rows leave at once (the last row moves into the hole).
 A lone decoding row (nobody else running, nobody waiting who could get a row) repeats steps 3-5 without
@@ -26,7 +26,7 @@ Everything a caller can get wrong is checked in the caller's thread before the r
 
 Isolation: what one request's own processing raises inside a round — its grammar (which fails or dead-ends only
 while decoding), logits processing, sampling, its sink — fails that request alone (``_fault``): per-row steps
-are guarded, and a batched drafter step that a row's sampler fails (speculative.RowFault) loses only this round's
+are guarded, and a batched drafter step that a row's sampler fails (verify.RowFault) loses only this round's
 drafts for the others (drafts never change an output). Only an engine's failure fails the round's requests.
 """
 
@@ -59,7 +59,7 @@ from .request import (
     check_k,
 )
 from .sampling import SamplingParams, log_probs, logprob_entry
-from .speculative import SPECULATIVE_SAMPLING, RowFault
+from .verify import SPECULATIVE_SAMPLING, RowFault
 from .tokenizer import load_tokenizer
 from .vocab import check_same_vocabulary
 from .worker import Worker, open_engine

@@ -7,7 +7,7 @@ executes those decisions over the engines and hands back what came of them:
                  scheduler's to choose and emit), then ``draft_reads`` lets the drafter read the same chunks;
   propose        the drafter's Proposal for the decoding rows (chains or token trees; drafters/);
   verify         ONE target call over [last token, drafts...] per row (a tree mask where a row drafted a tree),
-                 every row's verdict by the one acceptance rule (speculative.verify_rows), and the accepted path's
+                 every row's verdict by the one acceptance rule (verify.verify_rows), and the accepted path's
                  K/V moved into place (Engine.keep_path) -> Verdicts;
   settle         after the scheduler emitted the accepted tokens: how much of each row the caches now hold (the
                  drafter and a head's features learn it);
@@ -27,7 +27,7 @@ import numpy as np
 from ..engines import load_engine
 from ..engines.base import greedy_steps, lease, tree_positions
 from .drafters import Proposal
-from .speculative import verify_rows
+from .verify import verify_rows
 
 
 def open_engine(engine_or_path, num_threads):
@@ -137,7 +137,7 @@ class Worker:
     def verify(self, samplers, proposal: Proposal, skip=()) -> Verdicts:
         """ONE target call over each row's [last token, drafts...] (rows with fewer drafts padded beyond their
         length; a tree's pads hang off the root, seen by nobody else), then every row's verdict
-        (speculative.verify_rows) and its accepted path's K/V moved to the slots their positions give."""
+        (verify.verify_rows) and its accepted path's K/V moved to the slots their positions give."""
         b = len(samplers)
         n = self.n[:b]
         drafts, parents, counts = proposal.drafts, proposal.parents, proposal.counts

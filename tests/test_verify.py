@@ -7,7 +7,7 @@ import pytest
 
 from conftest import MAX_BATCH, S_MAX, WrappedEngine
 from trtspec import Generator, VocabularyMismatchError, export, load_engine
-from trtspec.runtime import speculative as speculative_module
+from trtspec.runtime import verify as verify_module
 
 PROMPTS = ["def add(a, b):", "The quick brown fox jumps over the lazy dog. The quick", "import os"]
 ARCH = "llama-gqa-rope3"
@@ -262,7 +262,7 @@ def test_a_wrong_acceptance_rule_fails_the_same_test(sampling_setup, monkeypatch
                     return i, int(x)
             return -1, sample(p, rng)
 
-        monkeypatch.setattr(speculative_module, "accept_rejection", wrong)
+        monkeypatch.setattr(verify_module, "accept_rejection", wrong)
     else:
         def wrong(candidates, token):
             # keeping the draft's token at the first disagreement instead of the target's choice
@@ -270,7 +270,7 @@ def test_a_wrong_acceptance_rule_fails_the_same_test(sampling_setup, monkeypatch
                 return candidates.index(token), token
             return -1, candidates[0] if candidates else token
 
-        monkeypatch.setattr(speculative_module, "accept_chosen", wrong)
+        monkeypatch.setattr(verify_module, "accept_chosen", wrong)
     counts, _ = _sample_sequences(gen, prompt, params, 20_480, seed=0)
     assert _chi_square_p_value(counts, joint) < ALPHA
 
@@ -312,7 +312,7 @@ def test_greedy_speculative_list_of_12_through_4_rows_equals_target_only_alone(c
 def test_coupled_samplings_noise_is_numpys_gumbel():
     """The Gumbel noise of coupled sampling, vectorised, is numpy's Gumbel from the same stream, to within an ulp,
     over enough draws that its tail is there (the largest of 2**20 standard Gumbels is ~14)."""
-    from trtspec.runtime.speculative import gumbel
+    from trtspec.runtime.verify import gumbel
 
     ours = gumbel(np.random.default_rng([7, 3]), 1 << 20)
     numpys = np.random.default_rng([7, 3]).gumbel(size=1 << 20)

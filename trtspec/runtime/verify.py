@@ -50,7 +50,7 @@ SPECULATIVE_SAMPLING = ("coupled", "rejection")
 
 class RowFault(Exception):
     """Raised out of a batched step (a drafter's proposals) by one request's own processing — its grammar, logits
-    processing or sampling (speculative.RowSampler tags what its methods raise): the scheduler fails that request
+    processing or sampling (verify.RowSampler tags what its methods raise): the scheduler fails that request
     alone and the round goes on for the others. ``owner``: the RowSampler it came from."""
 
     def __init__(self, owner, cause: BaseException):
