@@ -318,3 +318,63 @@ def test_coupled_samplings_noise_is_numpys_gumbel():
     numpys = np.random.default_rng([7, 3]).gumbel(size=1 << 20)
     np.testing.assert_allclose(ours, numpys, rtol=4e-16, atol=4e-15)
     assert ours.max() > 10 and ours.min() < -2
+
+
+@pytest.mark.parametrize("mode", ["greedy", "coupled", "rejection"])
+def test_a_chain_verifies_as_the_tree_whose_parents_are_j_minus_1(mode):
+    """One acceptance for chains and trees (verify.RowSampler.verify): a chain given as parents None and the same
+    chain given as a tree with parents j - 1 get the same verdict from the same randomness, for every drafting
+    outcome; with a draft distribution q (rejection) too; and verify_rows' one argmax for plain greedy rows gives
+    what each row's own walk gives."""
+    from trtspec.runtime.sampling import SamplingParams
+
+    rng = np.random.default_rng(5)
+    vocab, m = 12, 4
+    params = SamplingParams() if mode == "greedy" else SamplingParams(temperature=1.3, seed=11)
+    seen = set()
+    for trial in range(200):
+        logits = rng.normal(size=(m + 1, vocab)).astype(np.float32) * 2
+        target_choice = logits.argmax(axis=-1)
+        drafts = np.where(rng.random(m) < 0.6, target_choice[:m], rng.integers(0, vocab, m)).astype(np.int64)
+        q = None
+        if mode == "rejection" and trial % 2:
+            q = rng.dirichlet(np.ones(vocab), size=m)
+            q[np.arange(m), drafts] += 0.5
+            q /= q.sum(axis=1, keepdims=True)
+        verdicts = []
+        for parents in (None, np.arange(m) - 1):
+            sampler = verify_module.RowSampler(params, "rejection" if mode == "rejection" else "coupled")
+            sampler.rng = np.random.default_rng(trial)
+            verdicts.append(sampler.verify(drafts, parents, q, logits, 40))
+        assert verdicts[0] == verdicts[1]
+        path, token = verdicts[0]
+        assert path == list(range(len(path))) and 0 <= token < vocab
+        seen.add(len(path))
+        if mode == "greedy":  # the longest prefix the argmax agrees with, then the argmax
+            a = next((j for j in range(m) if drafts[j] != target_choice[j]), m)
+            assert (len(path), token) == (a, int(target_choice[a]))
+            batched = verify_module.verify_rows([verify_module.RowSampler(params)], drafts[None], None,
+                                                np.array([m]), None, logits[None], np.array([40]))
+            assert batched == [verdicts[0]]
+    assert len(seen) >= 3  # rejections early, late and none were all exercised
+
+
+def test_the_scheduler_plans_and_the_worker_makes_every_engine_call():
+    """scheduler.py decides (rows, chunks, k, width) and calls no engine: it imports nothing from engines/ and calls
+    none of an engine's methods; runtime/worker.py makes every call."""
+    import ast
+    from pathlib import Path
+
+    import trtspec.runtime.scheduler as scheduler_module
+
+    tree = ast.parse(Path(scheduler_module.__file__).read_text())
+    imports = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    assert not [m for m in imports if m and "engines" in m.split(".")]
+    engine_methods = {"forward", "keep_path", "save_prefix", "load_prefix", "move_row", "reset", "greedy_steps"}
+    calls = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in engine_methods:
+            owner = ast.unparse(node.func.value)
+            if owner != "self.worker":
+                calls.append(ast.unparse(node))
+    assert not calls, calls

@@ -1,6 +1,8 @@
-"""Continuous batching with speculation: one loop thread owns the engines; requests come and go between rounds.
+"""Continuous batching with speculation: the plan of every round; requests come and go between rounds.
 
-Engine rows are slots (llama.cpp's server, DESIGN.md §7). Each round:
+The scheduler decides and never calls an engine: its loop thread holds the engines' leases, and every call is the
+worker's (runtime/worker.py), which hands back what came of it. Engine rows are slots (llama.cpp's server,
+DESIGN.md §7). Each round:
   1. admission: waiting requests (highest priority first, aged so none starves) take free rows; a
      prompt that starts with tokens already computed (a finished request's, or a registered prefix)
      gets those cache slots copied in instead of recomputed;
@@ -12,11 +14,12 @@ Engine rows are slots (llama.cpp's server, DESIGN.md §7). Each round:
      long prompt never stalls the others;
   3. k: each decoding row may draft up to its own k; load-aware k picks this round's k from the
      measured call costs at the current batch size, 0 when drafting does not pay;
-  4. draft (drafters.Drafter.propose) and verify: ONE target call [D, k+1] over the decoding rows'
-     [last token, drafts...] (rows with fewer drafts padded). A request that arrived while the round
+  4. draft (the worker asks drafters.Drafter.propose) and verify: ONE target call [D, k+1] over the decoding
+     rows' [last token, drafts...] (rows with fewer drafts padded; a tree mask where rows drafted trees). A request that arrived while the round
      drafted is admitted and reads its prompt before the verify call (its first token does not wait for
      the rest of the round and the next one's admission);
-  5. acceptance per row with its own sampling parameters and randomness (verify.RowSampler); the
+  5. acceptance per row with its own sampling parameters and randomness (verify.verify_rows: one walk for
+     chains and trees); the
      accepted tokens join the request through the one stop rule (output.RequestOutput); retirement:
      finished or cancelled rows leave at once (the last row moves into the hole).
 A lone decoding row (nobody else running, nobody waiting who could get a row) repeats steps 3-5 without
@@ -148,6 +151,7 @@ class Scheduler:
         self.capacity = min(e.max_seq_len for e in engines)
         # tokens one call may carry (engines whose sliding-window layers keep rings take fewer than S_max)
         self.max_call = min(e.max_call_tokens for e in engines)
+        self.max_drafts = self.max_call - 1  # the tokens a verify call carries past a row's last one
         engine_batch = min(e.max_batch for e in engines)
         if max_batch is None:
             max_batch = engine_batch
@@ -186,7 +190,7 @@ class Scheduler:
         )
         # the engines, the drafter and the rows' token buffers: every engine call is the worker's
         self.worker = Worker(self.target, self.draft, self.drafter, max_batch=max_batch, capacity=self.capacity,
-                             max_call=self.max_call, pad_id=self.pad_id, k_room=max(self.num_draft_tokens, 1))
+                             max_drafts=self.max_drafts, pad_id=self.pad_id, k_room=max(self.num_draft_tokens, 1))
         self._tokens, self._n, self._tc = self.worker.tokens, self.worker.n, self.worker.tc  # (the same arrays)
         self._rows: list[Request] = []  # engine row i runs self._rows[i]
         self._decoding = 0  # rows [0, D) decode; rows [D, B) are still reading their prompts
@@ -683,13 +687,13 @@ class Scheduler:
     # jump-forward (runtime/forced.py): the tokens a row's grammar forces, verified without asking the drafter
     def _forced(self, rows, caps):
         return forced_tokens(rows, caps, lambda: self._room(rows), getattr(self.drafter, "drafts_after_forced", False),
-                             min(self.max_forced, self.max_call - 1), self.max_call)
+                             min(self.max_forced, self.max_drafts), self.max_drafts)
 
     def _ahead(self, rows, forced, caps):
         return ahead_of_forced(rows, forced, caps, self._tokens, self._n[: len(rows)])
 
     def _constrain(self, rows, proposal, forced):
-        constrain(rows, proposal, forced, self._room(rows), self.max_call)
+        constrain(rows, proposal, forced, self._room(rows), self.max_drafts)
 
     def _verify_cost(self, b: int, t: int, tree: bool = False) -> float | None:
         """Seconds of a target call over b rows of t tokens (tree calls apart), as measured or fitted so far; None

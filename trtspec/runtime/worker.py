@@ -50,11 +50,11 @@ class Verdicts:
 
 
 class Worker:
-    def __init__(self, target, draft, drafter, *, max_batch: int, capacity: int, max_call: int, pad_id: int,
+    def __init__(self, target, draft, drafter, *, max_batch: int, capacity: int, max_drafts: int, pad_id: int,
                  k_room: int):
         self.target, self.draft, self.drafter = target, draft, drafter
         self.engines = [target] if draft is None else [target, draft]
-        self.capacity, self.max_call, self.pad_id = capacity, max_call, pad_id
+        self.capacity, self.max_drafts, self.pad_id = capacity, max_drafts, pad_id
         self.tokens = np.full((max_batch, capacity + k_room + 1), pad_id, dtype=np.int64)
         self.n = np.zeros(max_batch, np.int64)  # known tokens per row (prompt + output)
         self.tc = np.zeros(max_batch, np.int64)  # tokens in the target's cache per row
@@ -142,7 +142,7 @@ class Worker:
         n = self.n[:b]
         drafts, parents, counts = proposal.drafts, proposal.parents, proposal.counts
         if parents is not None:  # every row writes the call's width of slots from n - 1: cut to the room left
-            counts = proposal.counts = np.minimum(counts, min(int((self.capacity - n).min()), self.max_call - 1))
+            counts = proposal.counts = np.minimum(counts, min(int((self.capacity - n).min()), self.max_drafts))
         width = int(counts.max()) + 1
         ids = np.full((b, width), self.pad_id, np.int64)
         ids[:, 0] = self.tokens[np.arange(b), n - 1]
