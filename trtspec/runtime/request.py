@@ -1,5 +1,6 @@
 """A request's life outside the engines: how it is made and checked (RequestBuilder: every check, in the caller's
-thread), its state, the handles a caller holds, its results and statistics."""
+thread), its state, the handles a caller holds, its results and statistics. Where a request ends (EOS, stop strings,
+its token limit) is output.py's one stop rule."""
 
 from __future__ import annotations
 

@@ -312,7 +312,7 @@ class Scheduler:
         if n == 1:
             requests = [await asyncio.to_thread(self.make_request, prompt, **params)]
         else:
-            requests = await asyncio.to_thread(self._group, prompt, n, dict(params))
+            requests = await asyncio.to_thread(self.requests.group, prompt, n, dict(params))
         handles = [self._async_handle(r, loop) for r in requests]
         self._enqueue(requests)
         return handles
