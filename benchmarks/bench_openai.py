@@ -87,7 +87,7 @@ def main(argv=None):
     from trtspec import Generator, load_engine
     from trtspec.bench import load_prompts
     from trtspec.runtime import grammar as grammar_module
-    from trtspec.runtime.speculative import expected_tokens_per_call
+    from trtspec.runtime.verify import expected_tokens_per_call
 
     target = load_engine(ROOT / "engines" / "stdlib-target", num_threads=2)
     draft = load_engine(ROOT / "engines" / "stdlib-draft", num_threads=2)

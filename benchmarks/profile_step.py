@@ -24,7 +24,8 @@ import numpy as np
 def profile(engine_dir: Path, tokens: int, position: int, batch: int, calls: int, threads: int) -> dict:
     import onnxruntime as ort
 
-    from trtspec.engines.onnxruntime import fuses_qdq, session_options
+    from trtspec.engine_contract import fuses_qdq
+    from trtspec.engines.onnxruntime import session_options
 
     manifest = json.loads((engine_dir / "manifest.json").read_text())
     model = manifest["model"]

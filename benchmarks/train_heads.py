@@ -38,12 +38,12 @@ def main():
     train_files, held, _ = stdlib_files()
     common = dict(heldout=held, steps=args.steps, batch=args.batch, lr=args.lr, eval_prompts=0, threads=args.threads)
     if args.method == "eagle3":
-        from trtspec.heads.train import distill_eagle3
+        from trtspec.distill.heads import distill_eagle3
 
         report = distill_eagle3(args.target, work, train_files, draft_vocab=args.draft_vocab or 3072, intermediate=1024,
                                 **common)
     else:
-        from trtspec.heads.train import distill_medusa
+        from trtspec.distill.heads import distill_medusa
 
         report = distill_medusa(args.target, work, train_files, num_heads=4, draft_vocab=args.draft_vocab or 1024,
                                 **common)

@@ -9,6 +9,8 @@ import time
 import numpy as np
 import pytest
 
+from quant_reference import CALIB
+from trtspec.quantization import quantize
 from trtspec.testing import ARCHITECTURES, make_tiny_model
 
 S_MAX = 64
@@ -39,6 +41,23 @@ def exported(tmp_path_factory, model_dir):
         if key not in cache:
             opts = {"max_seq_len": S_MAX, "max_batch": MAX_BATCH, **options}
             cache[key] = export(model_dir(arch, seed), tmp_path_factory.mktemp(f"export-{arch}-{seed}") / "a", **opts)
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def quantized(exported, tmp_path_factory):
+    cache = {}
+
+    def get(arch: str, mode: str, **options):
+        key = (arch, mode, tuple(sorted(options.items())))
+        if key not in cache:
+            if mode in CALIB:
+                options.setdefault("calib_samples", CALIB[mode])
+            if mode.startswith("int4"):
+                options.setdefault("block_size", 32)
+            cache[key] = quantize(exported(arch), tmp_path_factory.mktemp(f"q-{arch}-{mode}") / "a", mode=mode, **options)
         return cache[key]
 
     return get

@@ -18,6 +18,7 @@ gguf = pytest.importorskip("gguf", reason="pip install 'trtspec[gguf]'")
 from trtspec import build, export  # noqa: E402
 from trtspec.errors import UnsupportedModelError  # noqa: E402
 from trtspec.exporter import gguf as reader  # noqa: E402
+from trtspec.quantization.int4_packing import unpack_codes  # noqa: E402
 from trtspec.testing import gguf_blocks, make_tiny_gguf  # noqa: E402
 
 KEPT = ("Q4_0", "Q4_1", "Q4_K", "Q8_0")
@@ -47,7 +48,7 @@ def _engine_weights(engine: Path) -> dict[str, np.ndarray]:
             continue
         attrs = {a.name: a.i for a in node.attribute}
         n, k, bits = attrs["N"], attrs["K"], attrs["bits"]
-        codes = reader.unpack_b(values[node.input[1]], bits).astype(np.float32)
+        codes = unpack_codes(values[node.input[1]], bits).astype(np.float32)
         scales = values[node.input[2]].reshape(n, k // 32)
         if len(node.input) > 3 and node.input[3]:
             z = values[node.input[3]].reshape(n, -1)
@@ -82,7 +83,7 @@ def test_unpacked_blocks_dequantize_as_gguf_does_bit_for_bit(type_name):
     blocks = reader.unpack(type_name, raw, 8, 512)
     expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name]).reshape(8, 512)
     assert np.array_equal(reader.weights_of(blocks), expected)
-    assert np.array_equal(reader.unpack_b(reader.pack(blocks), blocks["bits"]), blocks["codes"])
+    assert np.array_equal(unpack_codes(reader.pack(blocks), blocks["bits"]), blocks["codes"])
     assert blocks["codes"].max() < 2 ** blocks["bits"]
 
 

@@ -200,9 +200,9 @@ def test_eagle3_with_a_self_consistent_head_accepts(tmp_path, exported, built, m
         assert [r.token_ids for r in out] == reference
         assert out.stats.accepted > 0
     # the distill report's acceptance check: the head exported for a fresh target export, through the engines
-    from trtspec.heads.train import measure_head_acceptance
+    from trtspec.distill import measure_acceptance
 
-    measured = measure_head_acceptance(model_dir(ARCH), tmp_path / "head", prompts, k=3, max_new_tokens=16)
+    measured = measure_acceptance(model_dir(ARCH), tmp_path / "head", prompts, method="eagle3", k=3, max_new_tokens=16)
     assert measured["alpha"] > 0 and measured["tokens_per_target_call"] > 1
 
 

@@ -144,8 +144,8 @@ def test_the_import_graph_sees_lazy_relative_and_package_imports():
     assert "trtspec.engines" in graph and "trtspec.engines.base" in graph["trtspec.engines"]
     # a lazy import inside load_engine, resolved relative to the package
     assert "trtspec.engines.onnxruntime" in graph["trtspec.engines"]
-    # `from ..errors import X` is an edge to the module errors, `from .profiles import f` to engines.profiles
-    assert {"trtspec.errors", "trtspec.engines.profiles"} <= set(graph["trtspec.engines.tensorrt"])
+    # `from ..errors import X` is an edge to the module errors, `from ..engine_contract import f` to engine_contract
+    assert {"trtspec.errors", "trtspec.engine_contract"} <= set(graph["trtspec.engines.tensorrt"])
 
 
 def test_engines_do_not_import_the_builder():
@@ -156,8 +156,29 @@ def test_engines_do_not_import_the_builder():
     assert not {m: t for m, t in wrong.items() if t}
 
 
+def test_the_builder_takes_the_artifact_contract_from_engine_contract_not_from_the_engines():
+    """What a built artifact promises its loader (MatMulNBits' accuracy level, Q/DQ fusion, the TensorRT plan's
+    profile lookup) lives in engine_contract.py; the builder imports from engines/ only what opens an engine (an
+    onnxruntime session to optimise with, TensorRT itself), never a constant."""
+    import ast
+
+    modules = module_files()
+    imported = {}
+    for name, path in modules.items():
+        if not name.startswith("trtspec.builder"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and "engines" in node.module.split("."):
+                imported.setdefault(name, set()).update(a.name for a in node.names)
+    everything = set().union(*imported.values())
+    assert everything <= {"session_options", "compute_capability", "import_tensorrt"}, everything
+    graph = import_graph(modules)
+    assert "trtspec.engine_contract" in graph["trtspec.builder.onnxruntime"]
+    assert "trtspec.engine_contract" in graph["trtspec.engines.onnxruntime"]
+
+
 def test_the_runtime_imports_nothing_from_heads_or_distillation():
-    """Training and exporting drafts (heads/, distill.py) use the runtime to measure them; the runtime runs every
+    """Training and exporting drafts (heads/, distill/) use the runtime to measure them; the runtime runs every
     drafter from runtime/drafters/ and never imports the training side."""
     graph = import_graph(module_files())
     wrong = {m: sorted(t for t in graph[m] if t.startswith(("trtspec.heads", "trtspec.distill"))) for m in graph

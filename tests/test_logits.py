@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import hf_logits
-from test_speculative import ALPHA, _chi_square_p_value
+from test_verify import ALPHA, _chi_square_p_value
 from trtspec import Generator, load_engine
 
 ARCH = "llama-gqa-rope3"
@@ -196,7 +196,7 @@ def test_prompt_logprobs_equal_hf(target, hf_model, model_dir):
 
 @pytest.mark.parametrize("sampling", ["coupled", "rejection"])
 def test_n_samples_share_the_prompt_and_reproduce_with_seed_plus_i(sampling, target, noisy):
-    # rejection sampling reproduces only with the same draft lengths (speculative.RowSampler): a fixed k
+    # rejection sampling reproduces only with the same draft lengths (verify.RowSampler): a fixed k
     gen = Generator(target, noisy, num_draft_tokens=3, sampling=sampling,
                     k_policy="fixed" if sampling == "rejection" else "load-aware")
     handles = gen.scheduler.submit_n(PROMPTS[1], 3, max_new_tokens=16, temperature=1.0, seed=40)
@@ -281,7 +281,7 @@ def test_grammar_rounds_verify_forced_tokens_then_drafts_and_rejection_sampling_
     assert all(r.stats.forced_tokens > 0 and r.stats.accepted <= r.stats.proposed for r in spec)
     params = SamplingParams(temperature=1.5, top_k=4)
     eos = set(target.manifest["model"]["special_tokens"]["eos_token_ids"])
-    compiler = gen.scheduler._grammar_compiler()
+    compiler = gen.scheduler.requests.grammar_compiler()
     joint_ids = _exact_joint_constrained(hf_model(model_dir(ARCH)), lambda: compiler.constraint(fmt),
                                          gen.tokenizer(prompt)["input_ids"], params, eos)
     joint = {}
@@ -368,10 +368,10 @@ def test_lazy_masking_picks_exactly_what_the_full_mask_picks(temperature, target
     """Greedy and coupled rows under a grammar pick from unmasked logits and mask only where the grammar refuses
     the pick: outputs (target-only and speculative) equal those of masking every position, with fewer masks."""
     from trtspec.runtime import grammar as grammar_module
-    from trtspec.runtime import speculative
+    from trtspec.runtime import verify
 
     masks, lazy = [], [True]
-    original_mask, original_init = grammar_module.Constraint.mask, speculative.RowSampler.__init__
+    original_mask, original_init = grammar_module.Constraint.mask, verify.RowSampler.__init__
 
     def counting(self, x, key=None):
         masks.append(1)
@@ -382,7 +382,7 @@ def test_lazy_masking_picks_exactly_what_the_full_mask_picks(temperature, target
         self._lazy = self._lazy and lazy[0]
 
     monkeypatch.setattr(grammar_module.Constraint, "mask", counting)
-    monkeypatch.setattr(speculative.RowSampler, "__init__", init)
+    monkeypatch.setattr(verify.RowSampler, "__init__", init)
     kw = {"max_new_tokens": 24, "temperature": temperature, "seed": 3}
 
     def run(lazily):

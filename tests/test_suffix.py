@@ -164,7 +164,7 @@ def test_tree_nodes_apply_to_suffix_but_tree_width_does_not(tree):
 
 
 def test_suffix_sampling_follows_the_target_distribution(exported, model_dir):
-    from test_speculative import ALPHA, _chi_square_p_value, _exact_joint, _sample_sequences
+    from test_verify import ALPHA, _chi_square_p_value, _exact_joint, _sample_sequences
 
     from trtspec.runtime import SamplingParams
 
@@ -209,7 +209,7 @@ def test_suffix_takes_a_draft_model_not_a_head(plain, exported):
 def test_suffix_over_a_draft_model_samples_the_target_distribution(exported, perturbed_export, model_dir):
     """Rejection sampling with two kinds of rows in one verify: the model's drafts with their q, the suffix's
     certain drafts (q one-hot)."""
-    from test_speculative import ALPHA, _chi_square_p_value, _exact_joint, _sample_sequences
+    from test_verify import ALPHA, _chi_square_p_value, _exact_joint, _sample_sequences
 
     from trtspec.runtime import SamplingParams
 

@@ -22,7 +22,7 @@ from trtspec.builder.tensorrt import _add_profiles, _load_timing_cache, _save_ti
 from trtspec.builder.tensorrt_check import check_export, tensorrt_violations
 from trtspec.builder.tensorrt_plan import profile_plan
 from trtspec.cli import main
-from trtspec.engines.profiles import is_static, select_profile
+from trtspec.engine_contract import is_static, select_profile
 from trtspec.engines.tensorrt import call_bindings, engine_aliases
 from trtspec.engines.tensorrt_compat import check_plan_compatible
 from trtspec.manifest import ENGINE_FORMAT, MANIFEST, atomic_artifact, sha256_file

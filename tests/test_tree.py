@@ -251,7 +251,7 @@ def test_tree_options_are_checked(tree_engine, exported):
 
 @pytest.fixture(scope="module", params=["coupled", "rejection"])
 def tree_sampling(request, exported, perturbed_export, model_dir):
-    from test_speculative import _exact_joint
+    from test_verify import _exact_joint
 
     from trtspec.runtime import SamplingParams
 
@@ -265,7 +265,7 @@ def tree_sampling(request, exported, perturbed_export, model_dir):
 
 
 def test_tree_sampling_follows_the_target_distribution(tree_sampling, monkeypatch):
-    from test_speculative import ALPHA, _chi_square_p_value, _sample_sequences
+    from test_verify import ALPHA, _chi_square_p_value, _sample_sequences
 
     gen, params, joint = tree_sampling
     counts, _ = _sample_sequences(gen, "def", params, 20_480, seed=0)
@@ -275,17 +275,19 @@ def test_tree_sampling_follows_the_target_distribution(tree_sampling, monkeypatc
     assert sum(stats.tree_shapes.values()) > 0 and 0.02 < stats.accepted / stats.proposed < 0.98
     if gen.scheduler.sampling == "rejection":
         # the same test catches a wrong rule: after a rejected child, keep drawing from p (not p without it)
-        from trtspec.runtime import speculative
+        from trtspec.runtime import verify
 
-        real = speculative.RowSampler.verify_tree
+        from trtspec.runtime.sampling import sample
 
-        def wrong(self, drafts, parents, logits, position):
-            path, token = real(self, drafts, parents, logits, position)
-            if path or self.rng.random() < 0.5:
-                return path, token
-            return path, int(np.argmax(self.params.probs(logits[0])))  # biased towards the mode
+        real = verify.accept_rejection
 
-        monkeypatch.setattr(speculative.RowSampler, "verify_tree", wrong)
+        def wrong(p, candidates, q, rng):
+            i, token = real(p, candidates, q, rng)
+            if i >= 0 or not candidates:
+                return i, token
+            return -1, sample(p, rng)  # every child rejected: drawn from p, which may give a rejected child again
+
+        monkeypatch.setattr(verify, "accept_rejection", wrong)
         counts, _ = _sample_sequences(gen, "def", params, 20_480, seed=0)
         assert _chi_square_p_value(counts, joint) < ALPHA
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from .runtime import Generator
-from .runtime.speculative import expected_speedup, expected_tokens_per_call
+from .runtime.verify import expected_speedup, expected_tokens_per_call
 
 
 def load_prompts(path) -> list[str]:

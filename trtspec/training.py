@@ -229,7 +229,7 @@ def _diff(a: dict, b: dict) -> str:
     return ", ".join(f"{k}: {a.get(k)!r} vs {b.get(k)!r}" for k in keys) or "unknown"
 
 
-# -- what every distillation shares (distill.py: a draft model; heads/train.py: EAGLE-3 and Medusa heads) ----------
+# -- what every distillation shares (distill/draft.py: a draft model; distill/heads.py: EAGLE-3 and Medusa heads) -
 WORK = ".distill"
 REPORT = "distill_report.json"
 

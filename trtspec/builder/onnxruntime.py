@@ -19,7 +19,8 @@ import shutil
 import time
 from pathlib import Path
 
-from ..engines.onnxruntime import MATMUL_NBITS_ACCURACY_LEVEL, fuses_qdq, session_options
+from ..engine_contract import MATMUL_NBITS_ACCURACY_LEVEL, fuses_qdq
+from ..engines.onnxruntime import session_options
 from ..manifest import ENGINE_FORMAT, atomic_artifact, export_source, versions
 
 log = logging.getLogger("trtspec.build")

@@ -27,8 +27,9 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
-from ..engines.onnxruntime import MATMUL_NBITS_ACCURACY_LEVEL
+from ..engine_contract import MATMUL_NBITS_ACCURACY_LEVEL
 from ..exporter.contract import TREE_MASK
+from ..quantization.int4_packing import pack_uint4
 
 MS = "com.microsoft"
 log = logging.getLogger("trtspec.build")
@@ -88,13 +89,6 @@ def tied_head_transposed(graph: ir.Graph) -> int:
                 "FusedMatMul", [mm.inputs[0], w], attributes={"transB": 1, "transA": 0, "alpha": 1.0}, domain=MS,
                 name=f"{mm.name}/transB"))
     return fired
-
-
-def pack_uint4(q: np.ndarray, block_size: int) -> np.ndarray:
-    """Signed int4 q [N, K] -> MatMulNBits' B [N, K/B, B/2]: q + 8 (its default zero point), low nibble first."""
-    n, k = q.shape
-    u = (q.astype(np.int16) + 8).astype(np.uint8)
-    return (u[:, 0::2] | (u[:, 1::2] << 4)).astype(np.uint8).reshape(n, k // block_size, block_size // 2)
 
 
 def _const(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:

@@ -14,7 +14,6 @@ static T, so the engine can capture one CUDA graph per (profile, B).
 
 from __future__ import annotations
 
-from ..engines.profiles import is_static, select_profile  # noqa: F401  (re-exported: the plan and its lookup)
 
 # The KV cache dtypes TensorRT's KVCacheUpdate layer takes (the TensorScatter import); bytes per element.
 CACHE_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..engine_contract import MATMUL_NBITS_ACCURACY_LEVEL, fuses_qdq
 from ..exporter.contract import max_call_tokens, slots_by_input
 from ..exporter.contract import HIDDEN_STATES, TREE_MASK
 from .base import CacheRows, CallGuard, chain_mask, check_call, check_greedy_steps, ring_rows
@@ -53,22 +54,6 @@ def session_options(num_threads: int | None, *, fuse_qdq: bool = True):
         so.add_session_config_entry("session.disable_quant_qdq", "1")
     so.log_severity_level = 3
     return so
-
-
-MATMUL_NBITS_ACCURACY_LEVEL = 4
-
-
-def fuses_qdq(manifest: dict) -> bool:
-    """Whether onnxruntime may fuse this artifact's Q/DQ nodes: for weight-only quantization only.
-
-    With quantized activations the fusion does not pay here: onnxruntime 1.31 fuses FP8
-    Q/DQ around a MatMul into MatMulIntegerToFloat, which takes only 8-bit integers, and
-    then refuses its own graph; for INT8 W8A8 (int8-sq) it fuses a third of the MatMuls and
-    the decode call became 5x slower than the unfused graph (24 vs 4-5 ms on the bundled target).
-    """
-    if (manifest.get("quantization") or {}).get("activations") is not None:
-        return False
-    return manifest.get("build", {}).get("fuse_qdq", True)
 
 
 class _Binding:

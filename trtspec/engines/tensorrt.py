@@ -23,7 +23,7 @@ from ..errors import ArtifactError, BackendUnavailableError
 import numpy as np
 
 from .base import CacheRows, CallGuard, chain_mask, check_call
-from .profiles import is_static, select_profile
+from ..engine_contract import is_static, select_profile
 from .tensorrt_compat import check_plan_compatible, compute_capability, import_tensorrt
 
 

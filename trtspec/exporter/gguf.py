@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import UnsupportedModelError
+from ..quantization.int4_packing import pack_codes
 
 log = logging.getLogger("trtspec.export")
 
@@ -169,20 +170,9 @@ def weights_of(blocks: dict) -> np.ndarray:
 
 
 def pack(blocks: dict) -> np.ndarray:
-    """MatMulNBits' B [n, k/32, 32 * bits / 8]: 4-bit codes two a byte, low nibble first."""
-    n, k = blocks["codes"].shape
-    codes = blocks["codes"]
-    if blocks["bits"] == 4:
-        codes = codes[:, 0::2] | (codes[:, 1::2] << 4)
-    return np.ascontiguousarray(codes.astype(np.uint8).reshape(n, k // BLOCK, -1))
+    """MatMulNBits' B [n, k/32, 32 * bits / 8] of a tensor's codes (quantization/int4_packing.py)."""
+    return pack_codes(blocks["codes"], blocks["bits"], BLOCK)
 
-
-def unpack_b(b: np.ndarray, bits: int) -> np.ndarray:
-    """pack()'s inverse: MatMulNBits' B [n, k/32, .] -> codes [n, k]."""
-    n = b.shape[0]
-    if bits == 8:
-        return b.reshape(n, -1)
-    return np.stack([b & 0x0F, b >> 4], axis=-1).reshape(n, -1)
 
 
 def _row_orders(n: int, num_heads: int, num_kv_heads: int) -> list[tuple[str, np.ndarray | None]]:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .speculative import expected_tokens_per_call
+from .verify import expected_tokens_per_call
 
 # Before anything is measured: alpha 0.5 worth a few rounds; a draft call a tenth of a target call; a
 # target call costing 5 % more per extra token (DESIGN.md §6 measured 15-35 % for 5-9 tokens).

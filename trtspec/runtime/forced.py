@@ -4,7 +4,7 @@ Each round, a grammar row's forced tokens (``forced_tokens``) go in front of its
 drafts after them (``drafts_after_forced``) sees them in the row's buffer and its logits processor
 (``ahead_of_forced``); a tree drafter drafts nothing for the row. ``constrain`` cuts a grammar row's chain at
 its first forbidden draft and lays the forced tokens in front of it (marked, so they count apart from the
-drafter's: ``forced_counts``). The scheduler calls these from its round (scheduler._speculate).
+drafter's: ``forced_counts``). The scheduler calls these while it plans a round (scheduler._speculate).
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from __future__ import annotations
 import numpy as np
 
 
-def forced_tokens(rows, caps, room, drafts_after: bool, most: int, max_call: int):
+def forced_tokens(rows, caps, room, drafts_after: bool, most: int, max_drafts: int):
     """{row: the tokens its grammar forces next}, or None when no row has a grammar. A row's cap (caps, changed in
     place) shrinks by its forced tokens where the drafter drafts after them, else becomes 0. ``room()``: each
     row's room for tokens this round (scheduler._room; asked once, when a row has forced tokens); ``most``: the
-    forced tokens a round verifies at most."""
+    forced tokens a round verifies at most; ``max_drafts``: the tokens a verify call carries past a row's last one."""
     forced = None
     space = None
     for s, r in enumerate(rows):
@@ -30,7 +30,7 @@ def forced_tokens(rows, caps, room, drafts_after: bool, most: int, max_call: int
             tokens = tokens[: min(int(space[s]), most)]  # (rings: calls are short)
         if tokens:
             forced[s] = tokens
-            caps[s] = max(0, min(int(caps[s]), int(space[s]) - len(tokens), max_call - 1 - len(tokens))
+            caps[s] = max(0, min(int(caps[s]), int(space[s]) - len(tokens), max_drafts - len(tokens))
                           if drafts_after else 0)
     return forced
 
@@ -50,7 +50,7 @@ def ahead_of_forced(rows, forced, caps, tokens, n):
     return ahead
 
 
-def constrain(rows, proposal, forced, room, max_call: int) -> None:
+def constrain(rows, proposal, forced, room, max_drafts: int) -> None:
     """Grammar rows: drafts are cut at the first token the grammar forbids (a draft model proposes under the
     grammar already; prompt lookup does not); a forced row verifies its forced tokens, then its drafts (in place:
     ``proposal``'s drafts, counts, probs, forced marks and parents). ``room``: each row's room this round."""
@@ -63,7 +63,7 @@ def constrain(rows, proposal, forced, room, max_call: int) -> None:
         proc.rollback()  # the drafter's pushed proposals: check from the committed state
         ahead = forced.get(s, [])
         # a chain's forced tokens beyond k: cut to the room the verify call has (the cache, the output, a call)
-        m = max(0, min(m, int(room[s]) - len(ahead), max_call - 1 - len(ahead)))
+        m = max(0, min(m, int(room[s]) - len(ahead), max_drafts - len(ahead)))
         proposal.counts[s] = max(0, proc.allowed_prefix([*ahead, *proposal.drafts[s, :m].tolist()]) - len(ahead))
     if not forced:
         return

@@ -1,15 +1,26 @@
-"""A request's life outside the engines: its state, the handles a caller holds, its results and statistics."""
+"""A request's life outside the engines: how it is made and checked (RequestBuilder: every check, in the caller's
+thread), its state, the handles a caller holds, its results and statistics. Where a request ends (EOS, stop strings,
+its token limit) is output.py's one stop rule."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import re
 import threading
 import time
 import uuid
 from collections import deque
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
+
+from .grammar import GrammarCompiler
+from .logits import LogitsProcessor
 from .output import Piece
+from .sampling import SamplingParams
+from .verify import RowSampler
+from .tokenizer import encode_prompt
 
 
 class RequestFailedError(RuntimeError):
@@ -17,17 +28,6 @@ class RequestFailedError(RuntimeError):
     own processing did (then it fails alone). A server answers 500: the fault is the server's."""
 
     status = 500
-
-
-class RowFault(Exception):
-    """Raised out of a batched step (a drafter's proposals) by one request's own processing — its grammar, logits
-    processing or sampling (speculative.RowSampler tags what its methods raise): the scheduler fails that request
-    alone and the round goes on for the others. ``owner``: the RowSampler it came from."""
-
-    def __init__(self, owner, cause: BaseException):
-        super().__init__(f"{type(cause).__name__}: {cause}")
-        self.owner = owner
-        self.cause = cause
 
 
 class InvalidRequestError(RequestFailedError):
@@ -317,3 +317,128 @@ class AsyncRequestHandle:
         stops waiting for it (its drain timed out) says why to whoever reads the handle."""
         self._queue.put_nowait(("error", error))
         self.cancel()
+
+
+_TOKEN_ID = re.compile(r"0|[1-9][0-9]*")  # a logit_bias key as JSON carries a token id: canonical decimal, ASCII
+
+
+def check_k(k, allowed_k: list[int], allow_any: bool = False) -> None:
+    """A draft length the engines can verify in one call (k + 1 tokens; TensorRT engines have fixed profiles);
+    ``allow_any``: any k up to the largest (the load-aware policy picks a verifiable one each round)."""
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ValueError(f"num_draft_tokens must be an integer >= 1, got {k!r}")
+    if k not in allowed_k and not (allow_any and k <= (allowed_k[-1] if allowed_k else 0)):
+        shown = f"{allowed_k[:8]}{'...' if len(allowed_k) > 8 else ''}"
+        raise ValueError(f"num_draft_tokens={k} is not supported by the engines (verify sizes k+1 allowed for k in {shown})")
+
+
+class RequestBuilder:
+    """Every check of one request, made in the caller's thread before anything is queued: THE validation source of
+    the runtime. Scheduler.make_request is this; the server's parameters (server/params.py) come here too, and
+    a ValueError raised here is its 400.
+
+    ``tokenizer``/``vocab_size``/``bos_id``/``eos_ids``/``capacity``: the target's; ``sampling``: how sampled
+    requests verify drafts; ``drafting``: whether the scheduler has a drafter; ``default_k``: a request's k
+    unless it asks for its own; ``allowed_k``: the k values the engines verify in one call."""
+
+    def __init__(self, tokenizer, *, vocab_size: int, bos_id, eos_ids, capacity: int, sampling: str, drafting: bool,
+                 default_k: int, allowed_k: list[int]):
+        self.tokenizer, self.vocab_size, self.bos_id, self.eos_ids = tokenizer, vocab_size, bos_id, eos_ids
+        self.capacity, self.sampling, self.drafting = capacity, sampling, drafting
+        self.default_k, self.allowed_k = default_k, allowed_k
+        self._seq = itertools.count()
+        self._grammars = None
+
+    def encode(self, prompt) -> np.ndarray:
+        """Token ids of a prompt (a string, or a list of token ids), checked against the engines' capacity."""
+        return encode_prompt(self.tokenizer, prompt, vocab_size=self.vocab_size, bos_id=self.bos_id,
+                             capacity=self.capacity)
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_ids)
+        return self._grammars
+
+    def make(self, prompt, *, max_new_tokens=128, temperature=0.0, top_k=None, top_p=None, seed=None, stop=None,
+             include_stop_str_in_output=False, num_draft_tokens=None, priority=0, sink=None, prefix_only=False,
+             presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0, logit_bias=None, min_tokens=0,
+             logprobs=None, prompt_logprobs=None, response_format=None) -> Request:
+        """Validate everything about one request (raising the user's error) without queuing it.
+
+        Logits processing (runtime/logits.py, applied alike to the target and the draft, so speculation stays
+        lossless): ``presence_penalty``/``frequency_penalty`` (OpenAI's), ``repetition_penalty`` (vLLM's),
+        ``logit_bias`` ({token id: bias in [-100, 100]}), ``min_tokens`` (no EOS before), ``response_format``
+        (structured output, runtime/grammar.py). ``logprobs`` N: each token's log-probability and the N most
+        likely (sampling.log_probs says which distribution); ``prompt_logprobs`` N: the prompt's tokens' too.
+        """
+        if not prefix_only and (not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool)
+                                or max_new_tokens < 1):
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise ValueError("stop strings must be non-empty strings")
+        if not isinstance(include_stop_str_in_output, bool):
+            raise ValueError(f"include_stop_str_in_output must be true or false, got {include_stop_str_in_output!r}")
+        if seed is not None and (not isinstance(seed, (int, np.integer)) or isinstance(seed, bool)):
+            raise ValueError(f"seed must be an integer, got {seed!r}")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        bias = self.logit_bias(logit_bias)
+        params = SamplingParams(temperature, top_k, top_p, seed, presence_penalty, frequency_penalty,
+                                repetition_penalty, bias, min_tokens, logprobs)
+        if not prefix_only and min_tokens > max_new_tokens:
+            raise ValueError(f"min_tokens ({min_tokens}) must not exceed max_new_tokens ({max_new_tokens})")
+        if prompt_logprobs is not None and (not isinstance(prompt_logprobs, int) or isinstance(prompt_logprobs, bool)
+                                            or not 0 <= prompt_logprobs <= 20):
+            raise ValueError(f"prompt_logprobs must be an integer in [0, 20] or None, got {prompt_logprobs!r}")
+        if num_draft_tokens is None:
+            k = self.default_k
+        elif not self.drafting:
+            if num_draft_tokens != 0:
+                raise ValueError("num_draft_tokens needs a drafter; this scheduler has none (it decodes one token a call)")
+            k = 0
+        else:
+            if num_draft_tokens != 0:
+                check_k(num_draft_tokens, self.allowed_k)
+            elif not isinstance(num_draft_tokens, int):
+                raise ValueError(f"num_draft_tokens must be an integer >= 0, got {num_draft_tokens!r}")
+            k = num_draft_tokens
+        ids = self.encode(prompt)
+        constraint = self.grammar_compiler().constraint(response_format) if response_format is not None else None
+        processor = None
+        if params.processed or constraint is not None:
+            processor = LogitsProcessor(params, ids, self.eos_ids, constraint)
+        request = Request(next(self._seq), ids, max_new_tokens if not prefix_only else 0, stop,
+                          include_stop_str_in_output, k, priority, RowSampler(params, self.sampling, processor), sink,
+                          prefix_only)
+        request.prompt_logprobs = prompt_logprobs
+        return request
+
+    def logit_bias(self, logit_bias) -> tuple:
+        # {token id (an int, or its decimal string as JSON sends it): bias} -> ((id, bias), ...), ids checked.
+        # A string key must be the id's canonical decimal (as OpenAI requires): " 5", "05", "+5" or "٥" (an
+        # Arabic-Indic five, which int() takes) must not quietly name token 5
+        if logit_bias is None:
+            return ()
+        if not isinstance(logit_bias, dict):
+            raise ValueError(f"logit_bias must be a mapping of token ids to biases, got {type(logit_bias).__name__}")
+        pairs = []
+        for key, bias in logit_bias.items():
+            token = int(key) if isinstance(key, str) and _TOKEN_ID.fullmatch(key) else key
+            if not isinstance(token, (int, np.integer)) or isinstance(token, bool) or not 0 <= token < self.vocab_size:
+                raise ValueError(f"logit_bias key {key!r} is not a token id of this model (0..{self.vocab_size - 1})")
+            pairs.append((int(token), bias))
+        return tuple(pairs)
+
+    def group(self, prompt, n, params) -> list[Request]:
+        """n requests sampling one prompt, sample i with seed + i; all but the first start from a copy of the
+        first's cache slots once it has read the prompt (each then reads only the prompt's last token)."""
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {n!r}")
+        seed = params.pop("seed", None)
+        requests = [self.make(prompt, seed=None if seed is None else seed + i, **params) for i in range(n)]
+        if n > 1:
+            requests[0].shared_prefix = ()  # asked for: made when it has read its prompt
+            for r in requests[1:]:
+                r.leader = requests[0]
+        return requests

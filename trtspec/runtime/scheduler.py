@@ -1,6 +1,8 @@
-"""Continuous batching with speculation: one loop thread owns the engines; requests come and go between rounds.
+"""Continuous batching with speculation: the plan of every round; requests come and go between rounds.
 
-Engine rows are slots (llama.cpp's server, DESIGN.md §7). Each round:
+The scheduler decides and never calls an engine: its loop thread holds the engines' leases, and every call is the
+worker's (runtime/worker.py), which hands back what came of it. Engine rows are slots (llama.cpp's server,
+DESIGN.md §7). Each round:
   1. admission: waiting requests (highest priority first, aged so none starves) take free rows; a
      prompt that starts with tokens already computed (a finished request's, or a registered prefix)
      gets those cache slots copied in instead of recomputed;
@@ -12,11 +14,12 @@ Engine rows are slots (llama.cpp's server, DESIGN.md §7). Each round:
      long prompt never stalls the others;
   3. k: each decoding row may draft up to its own k; load-aware k picks this round's k from the
      measured call costs at the current batch size, 0 when drafting does not pay;
-  4. draft (drafters.Drafter.propose) and verify: ONE target call [D, k+1] over the decoding rows'
-     [last token, drafts...] (rows with fewer drafts padded). A request that arrived while the round
+  4. draft (the worker asks drafters.Drafter.propose) and verify: ONE target call [D, k+1] over the decoding
+     rows' [last token, drafts...] (rows with fewer drafts padded; a tree mask where rows drafted trees). A request that arrived while the round
      drafted is admitted and reads its prompt before the verify call (its first token does not wait for
      the rest of the round and the next one's admission);
-  5. acceptance per row with its own sampling parameters and randomness (speculative.RowSampler); the
+  5. acceptance per row with its own sampling parameters and randomness (verify.verify_rows: one walk for
+     chains and trees); the
      accepted tokens join the request through the one stop rule (output.RequestOutput); retirement:
      finished or cancelled rows leave at once (the last row moves into the hole).
 A lone decoding row (nobody else running, nobody waiting who could get a row) repeats steps 3-5 without
@@ -26,32 +29,25 @@ Everything a caller can get wrong is checked in the caller's thread before the r
 
 Isolation: what one request's own processing raises inside a round — its grammar (which fails or dead-ends only
 while decoding), logits processing, sampling, its sink — fails that request alone (``_fault``): per-row steps
-are guarded, and a batched drafter step that a row's sampler fails (request.RowFault) loses only this round's
+are guarded, and a batched drafter step that a row's sampler fails (verify.RowFault) loses only this round's
 drafts for the others (drafts never change an output). Only an engine's failure fails the round's requests.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-import os
-import re
 import threading
 import time
 from collections import deque
 
 import numpy as np
 
-from ..engines import load_engine
-from ..engines.base import greedy_steps, lease, tree_positions
 from .adaptive import LoadAwareK
 from .drafters import DRAFTERS, HEADS, Drafter, Proposal, SuffixThenDraft, make_drafter
 from .drafters.self_draft import SELF, self_draft
 from .drafters.suffix import MAX_MATCH as CONTEXT_TOKENS
 from .forced import ahead_of_forced, constrain, forced_counts, forced_tokens
-from .grammar import GrammarCompiler
-from .logits import LogitsProcessor
 from .output import RequestOutput
 from .prefix_cache import PrefixCache
 from .request import (
@@ -59,26 +55,21 @@ from .request import (
     GenerationResult,
     InvalidRequestError,
     Request,
+    RequestBuilder,
     RequestFailedError,
     RequestHandle,
-    RowFault,
     SchedulerStats,
+    check_k,
 )
 from .sampling import SamplingParams, log_probs, logprob_entry
-from .speculative import SPECULATIVE_SAMPLING, RowSampler
-from .tokenizer import encode_prompt, load_tokenizer
+from .verify import SPECULATIVE_SAMPLING, RowFault
+from .tokenizer import load_tokenizer
 from .vocab import check_same_vocabulary
+from .worker import Worker, open_engine
 
 K_POLICIES = ("load-aware", "fixed")
-_TOKEN_ID = re.compile(r"0|[1-9][0-9]*")  # a logit_bias key as JSON carries a token id: canonical decimal, ASCII
 
 log = logging.getLogger("trtspec.scheduler")
-
-
-def _as_engine(engine_or_path, num_threads):
-    if isinstance(engine_or_path, (str, os.PathLike)):
-        return load_engine(engine_or_path, num_threads=num_threads)
-    return engine_or_path
 
 
 class Scheduler:
@@ -116,7 +107,7 @@ class Scheduler:
         tree_width: int = 1,
         tree_nodes: int | None = None,
     ):
-        self.target = _as_engine(target, num_threads)
+        self.target = open_engine(target, num_threads)
         self.tokenizer = load_tokenizer(self.target)
         if isinstance(draft, str) and draft == SELF:  # the target's own INT4 build (runtime/drafters/self_draft.py)
             draft = self_draft(self.target)
@@ -150,7 +141,7 @@ class Scheduler:
         self.draft = None
         engines = [self.target]
         if drafter in ("draft", "eagle3") or (drafter == "suffix" and draft is not None):
-            self.draft = _as_engine(draft, num_threads)
+            self.draft = open_engine(draft, num_threads)
             if drafter == "suffix" and self.draft.manifest["model"].get("head"):
                 raise ValueError("drafter 'suffix' takes a draft model under it, not a head: pass a draft model's "
                                  "engine, or drafter='eagle3'/'medusa' for the head alone")
@@ -160,6 +151,7 @@ class Scheduler:
         self.capacity = min(e.max_seq_len for e in engines)
         # tokens one call may carry (engines whose sliding-window layers keep rings take fewer than S_max)
         self.max_call = min(e.max_call_tokens for e in engines)
+        self.max_drafts = self.max_call - 1  # the tokens a verify call carries past a row's last one
         engine_batch = min(e.max_batch for e in engines)
         if max_batch is None:
             max_batch = engine_batch
@@ -173,13 +165,11 @@ class Scheduler:
                                     max_batch=max_batch, pad_id=self.pad_id, tree_width=self.tree_width,
                                     tree_nodes=tree_nodes)
         self.drafter_name = drafter
-        self._observe = getattr(self.drafter, "observe", None)  # drafters that read the target's features
-        self._learn_output = getattr(self.drafter, "finish", None)  # drafters that learn from finished outputs
         # the k values the engines can verify in one call (TensorRT engines have fixed profiles)
         sizes = getattr(self.target, "verify_tokens", None)
         self.allowed_k = [k for k in range(1, min(self.capacity, self.max_call)) if sizes is None or k + 1 in sizes]
         if drafter != "none":
-            self._check_k(num_draft_tokens, allow_any=k_policy == "load-aware")
+            check_k(num_draft_tokens, self.allowed_k, allow_any=k_policy == "load-aware")
         self.num_draft_tokens = num_draft_tokens if drafter != "none" else 0
         widths = (1, self.tree_width) if drafter in ("draft", "eagle3") else (1,)
         self.policy = (LoadAwareK(self.num_draft_tokens, self.allowed_k, widths=widths, nodes=tree_nodes)
@@ -198,14 +188,13 @@ class Scheduler:
         self.prefix_cache = (
             PrefixCache(int(prefix_cache_mb * 2**20), min_prefix_tokens) if prefix_cache_mb > 0 else None
         )
-        k_room = max(self.num_draft_tokens, 1)
-        self._tokens = np.full((max_batch, self.capacity + k_room + 1), self.pad_id, dtype=np.int64)
-        self._n = np.zeros(max_batch, np.int64)  # known tokens per row (prompt + output)
-        self._tc = np.zeros(max_batch, np.int64)  # tokens in the target's cache per row
+        # the engines, the drafter and the rows' token buffers: every engine call is the worker's
+        self.worker = Worker(self.target, self.draft, self.drafter, max_batch=max_batch, capacity=self.capacity,
+                             max_drafts=self.max_drafts, pad_id=self.pad_id, k_room=max(self.num_draft_tokens, 1))
+        self._tokens, self._n, self._tc = self.worker.tokens, self.worker.n, self.worker.tc  # (the same arrays)
         self._rows: list[Request] = []  # engine row i runs self._rows[i]
         self._decoding = 0  # rows [0, D) decode; rows [D, B) are still reading their prompts
         self._waiting: list[Request] = []
-        self._seq = itertools.count()
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -216,7 +205,11 @@ class Scheduler:
         # one without a drafter in the engine's own loop (_decode_alone); False sends every round through the
         # whole loop (the same tokens and statistics; tests and benchmarks compare the two)
         self.lone_row_loops = True
-        self._grammars: GrammarCompiler | None = None
+        # every check of a request, in the caller's thread (request.py): the server's too
+        self.requests = RequestBuilder(self.tokenizer, vocab_size=self.target.vocab_size, bos_id=self.bos_id,
+                                       eos_ids=self.eos_ids, capacity=self.capacity, sampling=sampling,
+                                       drafting=drafter != "none", default_k=self.num_draft_tokens,
+                                       allowed_k=self.allowed_k)
 
     def _check_tree(self, width, nodes, drafter):
         """tree_width / tree_nodes checked against the drafter and the target (a tree needs a --tree export)."""
@@ -235,96 +228,16 @@ class Scheduler:
                                  "tree_width=1 (chains)")
         return width, nodes
 
-    def _check_k(self, k, allow_any=False):
-        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-            raise ValueError(f"num_draft_tokens must be an integer >= 1, got {k!r}")
-        if k not in self.allowed_k and not (allow_any and k <= (self.allowed_k[-1] if self.allowed_k else 0)):
-            shown = f"{self.allowed_k[:8]}{'...' if len(self.allowed_k) > 8 else ''}"
-            raise ValueError(f"num_draft_tokens={k} is not supported by the engines (verify sizes k+1 allowed for k in {shown})")
-
     # -- submitting ------------------------------------------------------------------------
 
     def encode(self, prompt) -> np.ndarray:
         """Token ids of a prompt (a string, or a list of token ids), checked against the engines' capacity."""
-        return encode_prompt(self.tokenizer, prompt, vocab_size=self.target.vocab_size, bos_id=self.bos_id,
-                             capacity=self.capacity)
+        return self.requests.encode(prompt)
 
-    def make_request(self, prompt, *, max_new_tokens=128, temperature=0.0, top_k=None, top_p=None, seed=None,
-                     stop=None, include_stop_str_in_output=False, num_draft_tokens=None, priority=0, sink=None,
-                     prefix_only=False, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0,
-                     logit_bias=None, min_tokens=0, logprobs=None, prompt_logprobs=None,
-                     response_format=None) -> Request:
-        """Validate everything about one request (raising the user's error) without queuing it.
-
-        Logits processing (runtime/logits.py, applied alike to the target and the draft, so speculation stays
-        lossless): ``presence_penalty``/``frequency_penalty`` (OpenAI's), ``repetition_penalty`` (vLLM's),
-        ``logit_bias`` ({token id: bias in [-100, 100]}), ``min_tokens`` (no EOS before), ``response_format``
-        (structured output, runtime/grammar.py). ``logprobs`` N: each token's log-probability and the N most
-        likely (sampling.log_probs says which distribution); ``prompt_logprobs`` N: the prompt's tokens' too.
-        """
-        if not prefix_only and (not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool)
-                                or max_new_tokens < 1):
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        if any(not isinstance(s, str) or not s for s in stop):
-            raise ValueError("stop strings must be non-empty strings")
-        if not isinstance(include_stop_str_in_output, bool):
-            raise ValueError(f"include_stop_str_in_output must be true or false, got {include_stop_str_in_output!r}")
-        if seed is not None and (not isinstance(seed, (int, np.integer)) or isinstance(seed, bool)):
-            raise ValueError(f"seed must be an integer, got {seed!r}")
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
-        bias = self._logit_bias(logit_bias)
-        params = SamplingParams(temperature, top_k, top_p, seed, presence_penalty, frequency_penalty,
-                                repetition_penalty, bias, min_tokens, logprobs)
-        if not prefix_only and min_tokens > max_new_tokens:
-            raise ValueError(f"min_tokens ({min_tokens}) must not exceed max_new_tokens ({max_new_tokens})")
-        if prompt_logprobs is not None and (not isinstance(prompt_logprobs, int) or isinstance(prompt_logprobs, bool)
-                                            or not 0 <= prompt_logprobs <= 20):
-            raise ValueError(f"prompt_logprobs must be an integer in [0, 20] or None, got {prompt_logprobs!r}")
-        if num_draft_tokens is None:
-            k = self.num_draft_tokens
-        elif self.drafter_name == "none":
-            if num_draft_tokens != 0:
-                raise ValueError("num_draft_tokens needs a drafter; this scheduler has none (it decodes one token a call)")
-            k = 0
-        else:
-            if num_draft_tokens != 0:
-                self._check_k(num_draft_tokens, allow_any=False)
-            elif not isinstance(num_draft_tokens, int):
-                raise ValueError(f"num_draft_tokens must be an integer >= 0, got {num_draft_tokens!r}")
-            k = num_draft_tokens
-        ids = self.encode(prompt)
-        constraint = self._grammar_compiler().constraint(response_format) if response_format is not None else None
-        processor = None
-        if params.processed or constraint is not None:
-            processor = LogitsProcessor(params, ids, self.eos_ids, constraint)
-        request = Request(next(self._seq), ids, max_new_tokens if not prefix_only else 0, stop,
-                          include_stop_str_in_output, k, priority, RowSampler(params, self.sampling, processor), sink,
-                          prefix_only)
-        request.prompt_logprobs = prompt_logprobs
-        return request
-
-    def _logit_bias(self, logit_bias) -> tuple:
-        # {token id (an int, or its decimal string as JSON sends it): bias} -> ((id, bias), ...), ids checked.
-        # A string key must be the id's canonical decimal (as OpenAI requires): " 5", "05", "+5" or "٥" (an
-        # Arabic-Indic five, which int() takes) must not quietly name token 5
-        if logit_bias is None:
-            return ()
-        if not isinstance(logit_bias, dict):
-            raise ValueError(f"logit_bias must be a mapping of token ids to biases, got {type(logit_bias).__name__}")
-        pairs = []
-        for key, bias in logit_bias.items():
-            token = int(key) if isinstance(key, str) and _TOKEN_ID.fullmatch(key) else key
-            if not isinstance(token, (int, np.integer)) or isinstance(token, bool) or not 0 <= token < self.target.vocab_size:
-                raise ValueError(f"logit_bias key {key!r} is not a token id of this model (0..{self.target.vocab_size - 1})")
-            pairs.append((int(token), bias))
-        return tuple(pairs)
-
-    def _grammar_compiler(self) -> GrammarCompiler:
-        if self._grammars is None:
-            self._grammars = GrammarCompiler(self.tokenizer, self.target.vocab_size, self.eos_ids)
-        return self._grammars
+    def make_request(self, prompt, **params) -> Request:
+        """Validate everything about one request (raising the user's error) without queuing it: the parameters of
+        Generator.generate (request.RequestBuilder.make, the one validation source)."""
+        return self.requests.make(prompt, **params)
 
     def submit(self, prompt, **params) -> RequestHandle:
         """Queue one request; returns its handle at once. Parameters as Generator.generate, plus
@@ -352,22 +265,9 @@ class Scheduler:
         self._enqueue(requests)
         return handles
 
-    def _group(self, prompt, n, params) -> list[Request]:
-        """n requests sampling one prompt, sample i with seed + i; all but the first start from a copy of the
-        first's cache slots once it has read the prompt (each then reads only the prompt's last token)."""
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {n!r}")
-        seed = params.pop("seed", None)
-        requests = [self.make_request(prompt, seed=None if seed is None else seed + i, **params) for i in range(n)]
-        if n > 1:
-            requests[0].shared_prefix = ()  # asked for: made when it has read its prompt
-            for r in requests[1:]:
-                r.leader = requests[0]
-        return requests
-
     def submit_n(self, prompt, n: int, **params) -> list[RequestHandle]:
         """n independent samples of one prompt sharing its prompt's computation (sample i: seed + i)."""
-        requests = self._group(prompt, n, params)
+        requests = self.requests.group(prompt, n, params)
         handles = []
         for r in requests:
             handles.append(RequestHandle(self, r))
@@ -378,7 +278,7 @@ class Scheduler:
     def submit_async_n(self, prompt, n: int, **params) -> list[AsyncRequestHandle]:
         """submit_n from a coroutine."""
         loop = asyncio.get_running_loop()
-        requests = self._group(prompt, n, params)
+        requests = self.requests.group(prompt, n, params)
         handles = [self._async_handle(r, loop) for r in requests]
         self._enqueue(requests)
         return handles
@@ -412,7 +312,7 @@ class Scheduler:
         if n == 1:
             requests = [await asyncio.to_thread(self.make_request, prompt, **params)]
         else:
-            requests = await asyncio.to_thread(self._group, prompt, n, dict(params))
+            requests = await asyncio.to_thread(self.requests.group, prompt, n, dict(params))
         handles = [self._async_handle(r, loop) for r in requests]
         self._enqueue(requests)
         return handles
@@ -471,17 +371,13 @@ class Scheduler:
         with self._cv:
             if self._rows or self._waiting or self._closed:
                 return False
-            locks = sorted({id(lease(e)): lease(e) for e in self.engines}.items())
-            for _, lock in locks:
+            locks = self.worker.locks()
+            for lock in locks:
                 lock.acquire()
             try:
-                width = max(1, min(self.warm_up_tokens, self.max_call, self.capacity))
-                ids = np.zeros((self.max_batch, width), np.int64)
-                pos = np.broadcast_to(np.arange(width), ids.shape)
-                for engine in self.engines:
-                    engine.forward(ids, pos)
+                self.worker.warm_up(self.max_batch, max(1, min(self.warm_up_tokens, self.max_call, self.capacity)))
             finally:
-                for _, lock in reversed(locks):
+                for lock in reversed(locks):
                     lock.release()
         return True
 
@@ -509,8 +405,8 @@ class Scheduler:
     # -- the loop --------------------------------------------------------------------------
 
     def _loop(self):
-        locks = sorted({id(lease(e)): lease(e) for e in self.engines}.items())
-        for _, lock in locks:
+        locks = self.worker.locks()
+        for lock in locks:
             lock.acquire()  # another scheduler on the same engines finishes its work first
         try:
             while True:
@@ -523,7 +419,7 @@ class Scheduler:
                 except Exception as exc:  # an engine failure fails the requests in flight, not the scheduler
                     self._fail_running(exc)
         finally:
-            for _, lock in reversed(locks):
+            for lock in reversed(locks):
                 lock.release()
 
     def _fail_running(self, exc):
@@ -600,30 +496,19 @@ class Scheduler:
             if r.prompt_logprobs is not None:
                 r.prompt_entries = [None]  # the first token has no log-probability
                 r.output.prompt_logprobs = (r.leader or r).prompt_entries  # complete when the first piece goes out
-            self._tokens[row, :plen] = r.prompt_ids
-            self._n[row] = plen
-            reused, d_block = 0, None
             if r.leader is not None and r.leader.shared_prefix:
                 hit = r.leader.shared_prefix
             elif self.prefix_cache and r.prompt_logprobs is None:  # prompt logprobs need every position computed
                 hit = self.prefix_cache.lookup(r.prompt_ids)
             else:
                 hit = None
-            if hit is not None:
-                common, t_block, d_block = hit
-                # both caches must hold the reused slots: the draft then reads the rest of the prompt alongside
-                reused = min(common, t_block.tokens, self.drafter.reusable(d_block))
-                if reused < max(t_block.min_head, d_block.min_head if d_block is not None else 0):
-                    reused = 0  # a sliding-window ring no longer holds the window before that point
+            reused = self.worker.admit(row, r.prompt_ids, hit)
             if reused > 0:
-                self.target.load_prefix(t_block.head(reused), row)
                 self._stats.prefix_hits += 1
                 self._stats.prefix_tokens_reused += reused
             elif self.prefix_cache is not None:
                 self._stats.prefix_misses += 1
-            self._tc[row] = reused
             r.stats.prefix_tokens_reused = reused
-            self.drafter.admit(row, d_block, reused)
             self._stats.prompt_tokens += int(plen)
             with self._cv:
                 self._rows.append(r)
@@ -684,7 +569,7 @@ class Scheduler:
     def _speculate(self, rows, caps):
         """One round over rows [0, B): propose, ONE target call over [last token, drafts...] per row, accept."""
         b = len(rows)
-        n, tc, stats, policy = self._n[:b], self._tc[:b], self._stats, self.policy
+        stats, policy = self._stats, self.policy
         width = self.tree_width
         self._expected = None  # the tokens the policy expects of this round (rows' own acceptance)
         self._sampled = any(r.sampler.mode != "greedy" for r in rows)  # such rounds are measured apart
@@ -706,8 +591,7 @@ class Scheduler:
         if k:
             ahead = self._ahead(rows, forced, caps)
             try:
-                proposal = self.drafter.propose(self._tokens[:b], ahead, caps, [r.sampler for r in rows],
-                                                self.capacity)
+                proposal = self.worker.propose(ahead, caps, [r.sampler for r in rows])
             except RowFault as fault:  # one row's processing failed mid-step: that row ends, the others verify
                 self._fault_owner(rows, fault)  # without drafts this round (their output is the same)
                 proposal = Proposal.empty(b)
@@ -724,50 +608,46 @@ class Scheduler:
                 self._prefill_round()
             shift = time.perf_counter() - t1  # counted as prefill: the round's own timings leave it out
             t0, t1 = t0 + shift, t1 + shift
-        if proposal.parents is not None:
-            return self._verify_tree(rows, proposal, forced, k, t0, t1)
-        drafts, counts = proposal.drafts, proposal.counts
-        width = int(counts.max()) + 1
-        if b == 1:
-            ids = np.empty((1, width), np.int64)
-            ids[0, 0], ids[0, 1:] = self._tokens[0, n[0] - 1], drafts[0, : width - 1]
-        else:  # rows with fewer drafts are padded beyond their length
-            ids = np.full((b, width), self.pad_id, np.int64)
-            ids[:, 0] = self._tokens[np.arange(b), n - 1]
-            ids[:, 1:] = np.where(np.arange(width - 1) < counts[:, None], drafts[:, : width - 1], self.pad_id)
-        logits = self.target.forward(ids, (n - 1)[:, None] + np.arange(width))
-        t2 = time.perf_counter()
+        self._verify(rows, proposal, forced, k, t0, t1)
+
+    def _verify(self, rows, proposal, forced, k, t0, t1):
+        """The rest of a round: the worker's one verify call and every row's verdict (chains and trees alike), the
+        accepted tokens emitted, the statistics and the policy told."""
+        b = len(rows)
+        stats, policy = self._stats, self.policy
+        n_before = self._n[:b].copy()
+        failed = {s for s, r in enumerate(rows) if r.finish_reason == "error"}  # in the drafter's step this round
+        verdicts = self.worker.verify([r.sampler for r in rows], proposal, failed)
+        t2 = t1 + verdicts.seconds
         self._count_round(proposal, t0, t1, t2)
+        tree = proposal.parents is not None
+        if tree:
+            stats.tree_shapes[proposal.shape] = stats.tree_shapes.get(proposal.shape, 0) + 1
         # rounds that verify forced tokens before the drafts are left out (their cost and tokens are the grammar's),
         # and so are those whose chains held forced tokens (_learn_round)
         learn = policy is not None and not forced
         if learn:
-            self._learn_calls(b, width, t2 - t1, proposal, (t1 - t0) / max(drafts.shape[1], 1))
-
-        valid = n.copy()
-        n_before_all = n.copy()
+            per_draft_s = (t1 - t0) / max(k if tree else proposal.drafts.shape[1], 1)
+            self._learn_calls(b, verdicts.width, verdicts.seconds, proposal, per_draft_s)
         emitted = stats.generated_tokens
-        for s, r in enumerate(rows):
+        for s, (r, verdict) in enumerate(zip(rows, verdicts.rows)):
             r.stats.target_calls += 1
-            if r.finish_reason == "error":  # failed earlier this round (in the drafter's step)
+            if verdict is None:
                 continue
-            m = int(counts[s])
-            q = None if proposal.probs is None or (forced and s in forced and m == len(forced[s])) else proposal.probs[s, :m]
-            n_before = int(n[s])
+            if isinstance(verdict, Exception):  # this request's own failure: it alone ends
+                self._fault(r, verdict)
+                continue
+            path, x = verdict
+            m = int(proposal.counts[s])
+            # a chain's drafts, or the deepest path of a tree: the most this row's drafts could have given
+            proposed = m if not tree else int(verdicts.depth[s, : m + 1].max())
             try:
-                a, x = r.sampler.verify(drafts[s, :m], q, logits[s, : m + 1], n_before)
-                self._record_verdict(r, a, m, 1, *forced_counts(proposal, s, m, range(a)),
-                                     source=self._source(proposal, s))
-                self._emit(s, r, [*drafts[s, :a].tolist(), x])
+                self._record_verdict(r, len(path), proposed, self._width if tree else 1,
+                                     *forced_counts(proposal, s, m, path), source=self._source(proposal, s))
+                self._emit(s, r, [*proposal.drafts[s, path].tolist(), x])
             except Exception as exc:  # noqa: BLE001 - this request's own failure: it alone ends
                 self._fault(r, exc)
-                continue
-            valid[s] = min(n_before + a, int(n[s]))  # the cache holds the verified tokens, not the last one
-            tc[s] = valid[s]
-        if self._observe is not None:  # the features of the root and the accepted drafts
-            features = self.target.features
-            self._observe(0, n_before_all - 1, [features[s, : valid[s] - n_before_all[s] + 1] for s in range(b)])
-        self.drafter.accepted(valid)
+        self.worker.settle(n_before, verdicts)
         if learn:
             self._learn_round(b, k, proposal, stats.generated_tokens - emitted, time.perf_counter() - t0)
 
@@ -802,83 +682,18 @@ class Scheduler:
             counts[0] += proposed
             counts[1] += accepted
 
-    def _verify_tree(self, rows, proposal, forced, k, t0, t1):
-        """The rest of a round whose drafts form trees: ONE target call over [last token, nodes...] per row with
-        the tree mask, each row's sampler walks its tree, the accepted path's K/V move into place (keep_path)."""
-        b = len(rows)
-        n, tc, stats, policy = self._n[:b], self._tc[:b], self._stats, self.policy
-        # every row writes the call's width of slots from n - 1: the tree is cut to the room in the cache
-        room = int((self.capacity - n).min())
-        counts = np.minimum(proposal.counts, min(room, self.max_call - 1))
-        drafts, parents = proposal.drafts, proposal.parents
-        width = int(counts.max()) + 1
-        real = np.arange(width - 1) < counts[:, None]
-        ids = np.full((b, width), self.pad_id, np.int64)
-        ids[:, 0] = self._tokens[np.arange(b), n - 1]
-        ids[:, 1:] = np.where(real, drafts[:, : width - 1], self.pad_id)
-        call_parents = np.zeros((b, width), np.int64)  # pads hang off the root, seen by nobody else
-        call_parents[:, 0] = -1
-        call_parents[:, 1:] = np.where(real, parents[:, : width - 1] + 1, 0)
-        mask, depth = tree_positions(call_parents)
-        logits = self.target.forward(ids, (n - 1)[:, None] + depth, tree_mask=mask)
-        t2 = time.perf_counter()
-        self._count_round(proposal, t0, t1, t2)
-        stats.tree_shapes[proposal.shape] = stats.tree_shapes.get(proposal.shape, 0) + 1
-        learn = policy is not None and not forced
-        if learn:
-            self._learn_calls(b, width, t2 - t1, proposal, (t1 - t0) / max(k, 1))
-        valid = n.copy()
-        n_before_all = n.copy()
-        features = self.target.features if self._observe is not None else None
-        observed = []
-        emitted = stats.generated_tokens
-        for s, r in enumerate(rows):
-            r.stats.target_calls += 1
-            n_before = int(n[s])
-            if r.finish_reason == "error":  # failed earlier this round (in the drafter's step)
-                if features is not None:
-                    observed.append(features[s, :1])
-                continue
-            m = int(counts[s])
-            try:
-                path, x = r.sampler.verify_tree(drafts[s, :m], parents[s, :m], logits[s, : m + 1], n_before)
-                a = len(path)
-                deepest = int(depth[s, : m + 1].max())  # the most this tree could have given
-                self._record_verdict(r, a, deepest, self._width, *forced_counts(proposal, s, m, path),
-                                     source=self._source(proposal, s))
-            except Exception as exc:  # noqa: BLE001 - this request's own failure: it alone ends
-                self._fault(r, exc)
-                if features is not None:
-                    observed.append(features[s, :1])
-                continue
-            if path != list(range(a)):  # the accepted nodes' K/V to the slots their positions give
-                self.target.keep_path(s, n_before - 1, [0, *[j + 1 for j in path]])
-            try:
-                self._emit(s, r, [*drafts[s, path].tolist(), x])
-            except Exception as exc:  # noqa: BLE001 - this request's own failure: it alone ends
-                self._fault(r, exc)
-            valid[s] = min(n_before + a, int(n[s]))
-            tc[s] = valid[s]
-            if features is not None:
-                observed.append(features[s, [0, *[j + 1 for j in path]][: valid[s] - n_before + 1]])
-        if features is not None:
-            self._observe(0, n_before_all - 1, observed)
-        self.drafter.accepted(valid)
-        if learn:
-            self._learn_round(b, k, proposal, stats.generated_tokens - emitted, time.perf_counter() - t0)
-
     max_forced = 16  # forced tokens verified per round at most (the verify call's width)
 
     # jump-forward (runtime/forced.py): the tokens a row's grammar forces, verified without asking the drafter
     def _forced(self, rows, caps):
         return forced_tokens(rows, caps, lambda: self._room(rows), getattr(self.drafter, "drafts_after_forced", False),
-                             min(self.max_forced, self.max_call - 1), self.max_call)
+                             min(self.max_forced, self.max_drafts), self.max_drafts)
 
     def _ahead(self, rows, forced, caps):
         return ahead_of_forced(rows, forced, caps, self._tokens, self._n[: len(rows)])
 
     def _constrain(self, rows, proposal, forced):
-        constrain(rows, proposal, forced, self._room(rows), self.max_call)
+        constrain(rows, proposal, forced, self._room(rows), self.max_drafts)
 
     def _verify_cost(self, b: int, t: int, tree: bool = False) -> float | None:
         """Seconds of a target call over b rows of t tokens (tree calls apart), as measured or fitted so far; None
@@ -914,7 +729,7 @@ class Scheduler:
         """A lone greedy row with no drafts: one-token target calls in the engine's own loop
         (engines.base.greedy_steps) instead of a round per token, while the row runs alone. Each call counts
         as a round; every token joins the request through _emit as it comes, as in a round."""
-        stats, n0 = self._stats, int(self._n[0])
+        stats = self._stats
 
         def on_token(token):
             self._emit(0, r, [token])
@@ -922,7 +737,7 @@ class Scheduler:
 
         t0 = time.perf_counter()
         steps = max(1, r.output.limit - len(r.output.token_ids))  # the output's limit keeps it inside the cache
-        calls, seconds = greedy_steps(self.target, 0, int(self._tokens[0, n0 - 1]), n0 - 1, steps, on_token)
+        calls, seconds = self.worker.decode_alone(steps, on_token)
         self.round_log.extend((stats.rounds + i, 0, 1) for i in range(calls))
         stats.k_histogram[0] = stats.k_histogram.get(0, 0) + calls
         stats.rounds += calls
@@ -930,7 +745,6 @@ class Scheduler:
         stats.verify_s += seconds
         r.stats.target_calls += calls
         r.stats.rounds += calls
-        self._tc[0] = min(n0 - 1 + calls, int(self._n[0]))  # the cache holds every token fed
         if self.policy is not None:
             self.policy.target.record(1, 1, seconds / calls)
             self.policy.record_round(1, 0, 1, (time.perf_counter() - t0) / calls)
@@ -956,22 +770,16 @@ class Scheduler:
             if budget == 0 or chunks[-1] < rest:
                 break  # a row served only in part ends the run: completions stay rows first, first + 1, ...
         p = len(chunks)
-        chunk = np.array(chunks, np.int64)
-        width = int(chunk.max())
-        offsets = np.arange(width)
-        pos = tc[:p, None] + offsets
-        src = np.minimum(pos, self._tokens.shape[1] - 1)
-        ids = np.where(offsets < chunk[:, None], np.take_along_axis(self._tokens[first : first + p], src, axis=1), self.pad_id)
         t0 = time.perf_counter()
-        logits = self.target.forward(ids, pos, first_row=first)
+        read = tc[:p].copy()  # each row's tokens read before this chunk
+        ids, pos, chunk, logits = self.worker.read_prompts(first, chunks)
         self._stats.target_calls += 1
         completed = 0
         for i in range(p):
             s, r = first + i, self._rows[first + i]
             r.stats.target_calls += 1
             if r.prompt_entries is not None:
-                self._prompt_logprobs(r, logits[i, : chunk[i]], int(tc[i]))
-            tc[i] += chunk[i]
+                self._prompt_logprobs(r, logits[i, : chunk[i]], int(read[i]))
             if tc[i] < plen[i]:
                 continue
             completed += 1  # served first come first served: completions are rows first, first + 1, ...
@@ -987,17 +795,14 @@ class Scheduler:
                 continue
             r.stats.time_to_first_token_s = r.last_emit - r.submitted
         # the draft reads the same chunks after the first tokens went out: they need only the target
-        self.drafter.prefill(ids, pos, first, chunk)
+        self.worker.draft_reads(ids, pos, first, chunk)
         if self.drafter_name == "draft" or isinstance(self.drafter, SuffixThenDraft):
             self._stats.draft_calls += 1
-        if self._observe is not None:  # a head drafter: the target's features of the chunk's tokens
-            features = self.target.features
-            self._observe(first, pos[:, 0], [features[i, : chunk[i]] for i in range(p)])
         for i in range(completed):
             s, r = first + i, self._rows[first + i]
             if r.shared_prefix is not None:  # the other samples of this prompt start from its slots
                 keep = r.prompt_ids.size - 1
-                r.shared_prefix = (keep, self.target.save_prefix(s, keep), self.drafter.save_prefix(s, keep)) if keep else None
+                r.shared_prefix = (keep, *self.worker.save(s, keep)) if keep else None
         self._stats.prefill_s += time.perf_counter() - t0
         self._decoding += completed
 
@@ -1085,12 +890,10 @@ class Scheduler:
             if self.prefix_cache is not None and r.finish_reason not in ("cancelled", "error"):
                 keep = min(int(self._tc[s]), int(self._n[s]))
                 if keep >= self.prefix_cache.min_tokens:
-                    t_block = self.target.save_prefix(s, keep)
-                    d_block = self.drafter.save_prefix(s, keep)
-                    self.prefix_cache.add(self._tokens[s, :keep], t_block, d_block, pinned=r.prefix_only)
-            if self._learn_output is not None and r.finish_reason not in ("cancelled", "error"):
+                    self.prefix_cache.add(self._tokens[s, :keep], *self.worker.save(s, keep), pinned=r.prefix_only)
+            if r.finish_reason not in ("cancelled", "error"):
                 # the output, after the prompt's last tokens: what it followed is matchable too
-                self._learn_output(s, self._tokens[s, max(0, r.prompt_ids.size - CONTEXT_TOKENS) : int(self._n[s])])
+                self.worker.learn_output(s, max(0, r.prompt_ids.size - CONTEXT_TOKENS))
             self._finish(r, r.output)
             with self._cv:
                 self._remove_row(s)
@@ -1110,10 +913,6 @@ class Scheduler:
         self._rows.pop()
 
     def _move_row(self, src, dst):
-        self.target.move_row(src, dst, int(self._tc[src]))
-        self.drafter.move_row(src, dst)
-        self._tokens[dst] = self._tokens[src]
-        self._n[dst] = self._n[src]
-        self._tc[dst] = self._tc[src]
+        self.worker.move_row(src, dst)
         self._rows[dst] = self._rows[src]
 

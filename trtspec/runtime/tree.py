@@ -2,7 +2,7 @@
 
 A drafter proposes a tree as ``drafts`` with ``parents`` (each node's parent among the drafts, -1 for the row's
 last token, parents first); the scheduler verifies every node in one target call, the row's sampler walks the
-tree (RowSampler.verify_tree) and the engine keeps the accepted path's K/V (Engine.keep_path).
+tree (verify.RowSampler.verify, the walk every chain takes too) and the engine keeps the accepted path's K/V (Engine.keep_path).
 
 Shapes built here:
 - ``branching_tree``: a draft chain with, at each depth, the draft's next likeliest tokens as siblings (leaves)

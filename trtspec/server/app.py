@@ -58,26 +58,7 @@ def create_app(scheduler, *, model_name: str, api_key: str | list[str] | None = 
     metrics = Metrics(getattr(scheduler, "stats", None))
     served = Served(scheduler, model_name, state, metrics)
 
-    @asynccontextmanager
-    async def lifespan(app):
-        connect = getattr(scheduler, "connect", None)
-        if connect is not None:
-            await connect()
-        state.prompts = await asyncio.to_thread(PromptEncoder, scheduler.tokenizer, scheduler.capacity,
-                                                parse_special_tokens)
-        if warmup:  # the widest call, then one short generation: first-call costs paid before /health says ok
-            if hasattr(scheduler, "warm_up"):
-                await asyncio.to_thread(scheduler.warm_up)
-            bos = scheduler.bos_id if scheduler.bos_id is not None else 0
-            await scheduler.agenerate([bos], max_new_tokens=2)
-        state.ready = True
-        log.info("serving %s: max batch %d, capacity %d tokens, drafter %s", model_name, scheduler.max_batch,
-                 scheduler.capacity, scheduler.drafter_name)
-        yield
-        state.ready = False
-        await asyncio.to_thread(scheduler.close, 10.0)
-
-    app = FastAPI(title="trtspec", lifespan=lifespan)
+    app = FastAPI(title="trtspec", lifespan=_lifespan(scheduler, state, model_name, parse_special_tokens, warmup))
     app.state.trtspec = state
     app.state.scheduler = scheduler
     app.state.metrics = metrics
@@ -129,6 +110,32 @@ def create_app(scheduler, *, model_name: str, api_key: str | list[str] | None = 
                              messages if log_prompts else None)
 
     return app
+
+
+def _lifespan(scheduler, state: ServerState, model_name: str, parse_special_tokens: bool, warmup: bool):
+    """The app's start (connect a remote scheduler, the prompt encoder, a warm-up, then ready) and end (not ready,
+    the scheduler closed)."""
+
+    @asynccontextmanager
+    async def lifespan(app):
+        connect = getattr(scheduler, "connect", None)
+        if connect is not None:
+            await connect()
+        state.prompts = await asyncio.to_thread(PromptEncoder, scheduler.tokenizer, scheduler.capacity,
+                                                parse_special_tokens)
+        if warmup:  # the widest call, then one short generation: first-call costs paid before /health says ok
+            if hasattr(scheduler, "warm_up"):
+                await asyncio.to_thread(scheduler.warm_up)
+            bos = scheduler.bos_id if scheduler.bos_id is not None else 0
+            await scheduler.agenerate([bos], max_new_tokens=2)
+        state.ready = True
+        log.info("serving %s: max batch %d, capacity %d tokens, drafter %s", model_name, scheduler.max_batch,
+                 scheduler.capacity, scheduler.drafter_name)
+        yield
+        state.ready = False
+        await asyncio.to_thread(scheduler.close, 10.0)
+
+    return lifespan
 
 
 def _error_handlers(app: FastAPI) -> None:

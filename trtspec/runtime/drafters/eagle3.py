@@ -1,4 +1,4 @@
-"""Drafting with an EAGLE-3 head over the target's own features (trained by heads/train.py, exported by heads/export.py).
+"""Drafting with an EAGLE-3 head over the target's own features (trained by distill/heads.py, exported by heads/export.py).
 
 The head's cache holds one entry per target position p that the target has verified: the pair (target features
 of p, token p + 1). The scheduler hands over the features of every position the target verifies (``observe``:

@@ -1,4 +1,4 @@
-"""Drafting with Medusa heads on the target's last hidden state (trained by heads/train.py; their layout:
+"""Drafting with Medusa heads on the target's last hidden state (trained by distill/heads.py; their layout:
 heads/medusa.py). The heads run as a small onnxruntime graph of their own (HeadRunner): one [H] state -> K small
 products per row, far below a target call; their candidates make a product tree, verified in one target call.
 """

@@ -34,7 +34,7 @@ from collections import deque
 
 import numpy as np
 
-from ..speculative import expected_tokens_per_call
+from ..verify import expected_tokens_per_call
 from ..tree import pack_trees
 from .base import Drafter, Proposal
 

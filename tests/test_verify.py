@@ -7,7 +7,7 @@ import pytest
 
 from conftest import MAX_BATCH, S_MAX, WrappedEngine
 from trtspec import Generator, VocabularyMismatchError, export, load_engine
-from trtspec.runtime import speculative as speculative_module
+from trtspec.runtime import verify as verify_module
 
 PROMPTS = ["def add(a, b):", "The quick brown fox jumps over the lazy dog. The quick", "import os"]
 ARCH = "llama-gqa-rope3"
@@ -254,23 +254,23 @@ def test_a_wrong_acceptance_rule_fails_the_same_test(sampling_setup, monkeypatch
 
     gen, prompt, params, joint = sampling_setup
     if gen.scheduler.sampling == "rejection":
-        def wrong(drafts, draft_probs, target_probs, rng):
+        def wrong(p, candidates, q, rng):
             # a classic bug: after a rejection, draw from p instead of norm(max(0, p - q))
-            for j, x in enumerate(drafts):
-                if rng.random() * draft_probs[j, x] >= target_probs[j, x]:
-                    return j, sample(target_probs[j], rng)
-            return drafts.size, sample(target_probs[drafts.size], rng)
+            for i, x in enumerate(candidates):
+                q_x = 1.0 if q is None else q[i][x]
+                if rng.random() * q_x < p[x]:
+                    return i, int(x)
+            return -1, sample(p, rng)
 
-        monkeypatch.setattr(speculative_module, "accept_sampling", wrong)
+        monkeypatch.setattr(verify_module, "accept_rejection", wrong)
     else:
-        def wrong(drafts, chosen):
+        def wrong(candidates, token):
             # keeping the draft's token at the first disagreement instead of the target's choice
-            n = min(drafts.size, chosen.size)
-            agree = chosen[:n] == drafts[:n]
-            a = n if agree.all() else int(np.argmin(agree))
-            return a, int(drafts[a] if a < drafts.size else chosen[a])
+            if token in candidates:
+                return candidates.index(token), token
+            return -1, candidates[0] if candidates else token
 
-        monkeypatch.setattr(speculative_module, "accept_chosen", wrong)
+        monkeypatch.setattr(verify_module, "accept_chosen", wrong)
     counts, _ = _sample_sequences(gen, prompt, params, 20_480, seed=0)
     assert _chi_square_p_value(counts, joint) < ALPHA
 
@@ -312,9 +312,69 @@ def test_greedy_speculative_list_of_12_through_4_rows_equals_target_only_alone(c
 def test_coupled_samplings_noise_is_numpys_gumbel():
     """The Gumbel noise of coupled sampling, vectorised, is numpy's Gumbel from the same stream, to within an ulp,
     over enough draws that its tail is there (the largest of 2**20 standard Gumbels is ~14)."""
-    from trtspec.runtime.speculative import gumbel
+    from trtspec.runtime.verify import gumbel
 
     ours = gumbel(np.random.default_rng([7, 3]), 1 << 20)
     numpys = np.random.default_rng([7, 3]).gumbel(size=1 << 20)
     np.testing.assert_allclose(ours, numpys, rtol=4e-16, atol=4e-15)
     assert ours.max() > 10 and ours.min() < -2
+
+
+@pytest.mark.parametrize("mode", ["greedy", "coupled", "rejection"])
+def test_a_chain_verifies_as_the_tree_whose_parents_are_j_minus_1(mode):
+    """One acceptance for chains and trees (verify.RowSampler.verify): a chain given as parents None and the same
+    chain given as a tree with parents j - 1 get the same verdict from the same randomness, for every drafting
+    outcome; with a draft distribution q (rejection) too; and verify_rows' one argmax for plain greedy rows gives
+    what each row's own walk gives."""
+    from trtspec.runtime.sampling import SamplingParams
+
+    rng = np.random.default_rng(5)
+    vocab, m = 12, 4
+    params = SamplingParams() if mode == "greedy" else SamplingParams(temperature=1.3, seed=11)
+    seen = set()
+    for trial in range(200):
+        logits = rng.normal(size=(m + 1, vocab)).astype(np.float32) * 2
+        target_choice = logits.argmax(axis=-1)
+        drafts = np.where(rng.random(m) < 0.6, target_choice[:m], rng.integers(0, vocab, m)).astype(np.int64)
+        q = None
+        if mode == "rejection" and trial % 2:
+            q = rng.dirichlet(np.ones(vocab), size=m)
+            q[np.arange(m), drafts] += 0.5
+            q /= q.sum(axis=1, keepdims=True)
+        verdicts = []
+        for parents in (None, np.arange(m) - 1):
+            sampler = verify_module.RowSampler(params, "rejection" if mode == "rejection" else "coupled")
+            sampler.rng = np.random.default_rng(trial)
+            verdicts.append(sampler.verify(drafts, parents, q, logits, 40))
+        assert verdicts[0] == verdicts[1]
+        path, token = verdicts[0]
+        assert path == list(range(len(path))) and 0 <= token < vocab
+        seen.add(len(path))
+        if mode == "greedy":  # the longest prefix the argmax agrees with, then the argmax
+            a = next((j for j in range(m) if drafts[j] != target_choice[j]), m)
+            assert (len(path), token) == (a, int(target_choice[a]))
+            batched = verify_module.verify_rows([verify_module.RowSampler(params)], drafts[None], None,
+                                                np.array([m]), None, logits[None], np.array([40]))
+            assert batched == [verdicts[0]]
+    assert len(seen) >= 3  # rejections early, late and none were all exercised
+
+
+def test_the_scheduler_plans_and_the_worker_makes_every_engine_call():
+    """scheduler.py decides (rows, chunks, k, width) and calls no engine: it imports nothing from engines/ and calls
+    none of an engine's methods; runtime/worker.py makes every call."""
+    import ast
+    from pathlib import Path
+
+    import trtspec.runtime.scheduler as scheduler_module
+
+    tree = ast.parse(Path(scheduler_module.__file__).read_text())
+    imports = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    assert not [m for m in imports if m and "engines" in m.split(".")]
+    engine_methods = {"forward", "keep_path", "save_prefix", "load_prefix", "move_row", "reset", "greedy_steps"}
+    calls = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in engine_methods:
+            owner = ast.unparse(node.func.value)
+            if owner != "self.worker":
+                calls.append(ast.unparse(node))
+    assert not calls, calls

@@ -1,4 +1,4 @@
-"""Distil a small draft model from a target: `trtspec distill` / `trtspec.distill(...)`.
+"""Distil a small draft model from a target, and `distill()`, the entry point of every method (`trtspec distill`).
 
     trtspec.distill("models/target", "models/draft", ["src/"], steps=1200)
 
@@ -22,13 +22,13 @@ import json
 import logging
 import math
 import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from .errors import UnsupportedModelError
-from .training import (  # (shared with heads/train.py: the data, the teacher, the output directory)
+from ..errors import UnsupportedModelError
+from .acceptance import measure_acceptance
+from ..training import (  # (shared with distill/heads.py: the data, the teacher, the output directory)
     REPORT,
     WORK,
     DistillError,
@@ -47,7 +47,7 @@ log = logging.getLogger("trtspec")
 # -- the draft's shape -----------------------------------------------------------------------------------------------
 def draft_config(target_config, *, layers=None, hidden=None, heads=None, kv_heads=None, intermediate=None):
     """The target's config class and settings at a smaller shape, with tied embeddings."""
-    from .exporter.architectures import arch_spec
+    from ..exporter.architectures import arch_spec
 
     spec = arch_spec(target_config)
     d = target_config.to_dict()
@@ -151,39 +151,6 @@ def heldout_metrics(draft, target, held: np.ndarray, seq: int, max_tokens: int =
             "target_heldout_perplexity": math.exp(ce_t / count)}
 
 
-def measure_acceptance(target_dir: Path, draft_dir: Path, prompts: list[str], *, k: int = 4,
-                       max_new_tokens: int = 64, threads: int | None = None) -> dict:
-    """Greedy speculative decoding through trtspec onnxruntime engines: per-token acceptance alpha at k."""
-    from .builder import build
-    from .exporter import export
-    from .runtime import Generator
-
-    quiet = [logging.getLogger(n) for n in ("trtspec.export", "trtspec.build")]
-    levels = [q.level for q in quiet]
-    with tempfile.TemporaryDirectory(prefix="trtspec-distill-") as tmp:
-        tmp = Path(tmp)
-        engines = {}
-        try:  # temporary engines: their export/build progress is not the user's business
-            for q in quiet:
-                q.setLevel(logging.WARNING)
-            for name, src in (("target", target_dir), ("draft", draft_dir)):
-                exported = export(src, tmp / f"{name}-export", max_seq_len=512, max_batch=4)
-                engines[name] = build(exported, tmp / f"{name}-engine", backend="onnxruntime")
-        finally:
-            for q, level in zip(quiet, levels):
-                q.setLevel(level)
-        gen = Generator(engines["target"], engines["draft"], num_draft_tokens=k, k_policy="fixed", num_threads=threads)
-        try:
-            out = gen.generate(prompts, max_new_tokens=max_new_tokens, temperature=0.0)
-        finally:
-            gen.close()
-    stats = out.stats
-    calls = sum(r.stats.target_calls for r in out)  # per request (a batched call serves several)
-    return {"k": k, "prompts": len(prompts), "max_new_tokens": max_new_tokens, "alpha": stats.token_acceptance,
-            "acceptance_rate": stats.acceptance_rate,
-            "tokens_per_target_call": stats.new_tokens / calls if calls else 0.0}
-
-
 # -- the command -------------------------------------------------------------------------------------------------------
 METHODS = ("draft", "eagle3", "medusa")
 _DRAFT_ONLY = {"layers": None, "hidden": None, "heads": None, "kv_heads": None, "temperature": 1.0, "kd_weight": 1.0,
@@ -201,8 +168,8 @@ def distill(target, out, data, *, method: str = "draft", heldout=None, pattern: 
     """Train a draft for ``target`` into ``out`` (an HF model directory) and return the report (see module doc).
 
     ``method``: "draft" (a small model of the target's family; batch 16, lr 3e-3 by default), "eagle3" (an
-    EAGLE-3 head on the target's low/mid/high features, heads/train.distill_eagle3: ``draft_vocab`` 2048,
-    ``ttt_steps``, ``intermediate``) or "medusa" (Medusa heads on its last hidden state, heads/train.distill_medusa:
+    EAGLE-3 head on the target's low/mid/high features, distill/heads.distill_eagle3: ``draft_vocab`` 2048,
+    ``ttt_steps``, ``intermediate``) or "medusa" (Medusa heads on its last hidden state, distill/heads.distill_medusa:
     ``draft_vocab`` 1024, ``medusa_heads``); heads train with batch 8, lr 2e-3 by default. ``trtspec distill
     --method`` is this call.
     data/heldout: text files or directories (searched for ``pattern``). Without ``heldout``, files whose
@@ -219,7 +186,7 @@ def distill(target, out, data, *, method: str = "draft", heldout=None, pattern: 
         if wrong:
             raise DistillError(f"{', '.join(wrong)} {'apply' if len(wrong) > 1 else 'applies'} to a draft model "
                                f"(method='draft'), not to {method} heads: drop {'them' if len(wrong) > 1 else 'it'}")
-        from .heads.train import distill_eagle3, distill_medusa
+        from .heads import distill_eagle3, distill_medusa
 
         common = dict(heldout=heldout, pattern=pattern, steps=steps, minutes=minutes, batch=batch or 8, seq=seq,
                       lr=lr or 2e-3, seed=seed, bf16=bf16, eval_prompts=eval_prompts, threads=threads,
@@ -247,14 +214,14 @@ def distill(target, out, data, *, method: str = "draft", heldout=None, pattern: 
         raise DistillError(f"sampled_fraction must be in [0, 1), got {sampled_fraction}")
     if seq < 8 or batch < 1:
         raise DistillError(f"seq must be >= 8 and batch >= 1 (got seq {seq}, batch {batch})")
-    from .exporter.gguf import hf_source
+    from ..exporter.gguf import hf_source
 
     folder, source = hf_source(target)
     if not source and not (target / "config.json").is_file():
         raise UnsupportedModelError(f"{target} has no config.json; pass the target's Hugging Face model directory "
                                     "or GGUF file")
     target_config = AutoConfig.from_pretrained(folder, **source)
-    from .exporter.architectures import arch_spec
+    from ..exporter.architectures import arch_spec
 
     spec = arch_spec(target_config)  # unknown families are refused here, before any work
     check_out_dir(out)
@@ -339,7 +306,7 @@ def distill(target, out, data, *, method: str = "draft", heldout=None, pattern: 
             prompts = [tokenizer.decode(held_ids[s : s + 48]) for s in starts][:eval_prompts]
         if prompts:
             say(f"[distill] measuring greedy acceptance at k={eval_k} through trtspec engines ({len(prompts)} prompts)")
-            report["acceptance"] = measure_acceptance(target, out, prompts, k=eval_k, max_new_tokens=eval_tokens,
+            report["acceptance"] = measure_acceptance(target, out, prompts, method="draft", k=eval_k, max_new_tokens=eval_tokens,
                                                       threads=threads)
             (out / REPORT).write_text(json.dumps(report, indent=2))
     say(f"[distill] wrote {out}: held-out KL {metrics.get('heldout_kl', float('nan')):.3f}, perplexity "

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .acceptance import measure_acceptance
 from ..training import (
     REPORT,
     WORK,
@@ -93,7 +94,7 @@ def distill_eagle3(target, out, data, *, heldout=None, pattern: str = "*.py", dr
     """Train an EAGLE-3 head for ``target`` into ``out`` (the released layout, heads/eagle3.py); returns the report."""
     import torch
 
-    from .eagle3 import Eagle3Config, default_layers, draft_vocabulary, head_parameters, init_from_target, make_head, save_head
+    from ..heads.eagle3 import Eagle3Config, default_layers, draft_vocabulary, head_parameters, init_from_target, make_head, save_head
 
     say = log_fn or (lambda msg: print(msg, flush=True))
     target, out = Path(target), Path(out)
@@ -153,7 +154,7 @@ def distill_eagle3(target, out, data, *, heldout=None, pattern: str = "*.py", dr
     prompts = heldout_prompts(held_files, tokenizer, eval_prompts) if eval_prompts else []
     if prompts:
         say(f"[distill] measuring greedy acceptance with the head at k={eval_k} through trtspec engines")
-        report["acceptance"] = measure_head_acceptance(target, out, prompts, k=eval_k, max_new_tokens=eval_tokens,
+        report["acceptance"] = measure_acceptance(target, out, prompts, method="eagle3", k=eval_k, max_new_tokens=eval_tokens,
                                                        threads=threads)
         (out / REPORT).write_text(json.dumps(report, indent=2))
     say(f"[distill] wrote {out}: held-out top-1 agreement per drafted position "
@@ -190,42 +191,6 @@ def eagle3_agreement(head, teacher, held: np.ndarray, seq: int, layers, draft_id
             "heldout_tokens": int(count[0])}
 
 
-def measure_head_acceptance(target_dir: Path, head_dir: Path, prompts, *, method: str = "eagle3", k: int = 4,
-                            max_new_tokens: int = 64, threads: int | None = None) -> dict:
-    """Greedy speculative decoding with the head through trtspec onnxruntime engines: acceptance at k (EAGLE-3,
-    chains) or with a 16-node tree (Medusa)."""
-    import logging
-    import tempfile
-
-    from ..builder import build
-    from ..exporter import export
-    from ..runtime import Generator
-    from .export import export_head
-
-    quiet = [logging.getLogger(n) for n in ("trtspec.export", "trtspec.build")]
-    levels = [q.level for q in quiet]
-    with tempfile.TemporaryDirectory(prefix="trtspec-distill-") as tmp:
-        tmp = Path(tmp)
-        try:
-            for q in quiet:
-                q.setLevel(logging.WARNING)
-            target = build(export(target_dir, tmp / "target-export", max_seq_len=512, max_batch=4, tree=method == "medusa",
-                                  hidden_states="low,mid,high" if method == "eagle3" else "last"), tmp / "target-engine")
-            head = export_head(head_dir, tmp / "head", target=target) if method == "eagle3" else head_dir
-        finally:
-            for q, level in zip(quiet, levels):
-                q.setLevel(level)
-        gen = Generator(target, head, drafter=method, num_draft_tokens=k, k_policy="fixed", num_threads=threads)
-        try:
-            out = gen.generate(prompts, max_new_tokens=max_new_tokens, temperature=0.0)
-        finally:
-            gen.close()
-    stats = out.stats
-    calls = sum(r.stats.target_calls for r in out)
-    return {"k": k, "prompts": len(prompts), "max_new_tokens": max_new_tokens, "alpha": stats.token_acceptance,
-            "acceptance_rate": stats.acceptance_rate, "tokens_per_target_call": stats.new_tokens / calls if calls else 0.0}
-
-
 def medusa_targets(teacher, windows, num_heads: int, draft_ids):
     """One batch's training inputs: the target's last hidden state [B, N, H] at positions 0..N-1 and, per head i,
     its distribution over the draft vocabulary for the token i + 2 ahead ([B, N - i - 1, V_draft] each)."""
@@ -246,8 +211,8 @@ def distill_medusa(target, out, data, *, heldout=None, pattern: str = "*.py", nu
     """Train Medusa heads for ``target`` into ``out`` (heads/medusa.py); returns the report."""
     import torch
 
-    from .eagle3 import draft_vocabulary
-    from .medusa import make_heads, save_heads
+    from ..heads.eagle3 import draft_vocabulary
+    from ..heads.medusa import make_heads, save_heads
 
     say = log_fn or (lambda msg: print(msg, flush=True))
     target, out = Path(target), Path(out)
@@ -295,7 +260,7 @@ def distill_medusa(target, out, data, *, heldout=None, pattern: str = "*.py", nu
     prompts = heldout_prompts(held_files, tokenizer, eval_prompts) if eval_prompts else []
     if prompts:
         say("[distill] measuring greedy acceptance with the heads (a tree of 16 nodes) through trtspec engines")
-        report["acceptance"] = measure_head_acceptance(target, out, prompts, method="medusa", threads=threads)
+        report["acceptance"] = measure_acceptance(target, out, prompts, method="medusa", threads=threads)
         (out / REPORT).write_text(json.dumps(report, indent=2))
     say(f"[distill] wrote {out}: held-out top-1 agreement per head "
         f"{', '.join(f'{a:.3f}' for a in agreement['heldout_agreement'])}")

@@ -7,54 +7,56 @@ import functools
 
 import numpy as np
 
-from .request import RowFault
 from .sampling import SamplingParams, log_probs, logprob_entry, sample
 
 
-def accept_chosen(drafts: np.ndarray, chosen: np.ndarray) -> tuple[int, int]:
-    """Longest prefix of ``drafts`` equal to the target's own choices, and the target's token after it.
-
-    Greedy decoding chooses the argmax; coupled sampling the Gumbel-max sample (RowSampler below).
-    ``chosen`` may stop at its first disagreement with ``drafts``: later choices are never needed.
-    """
-    # drafts [m] int64, chosen [<= m + 1] int64 (chosen[j]: the target's token after drafts[:j])
-    m = min(drafts.size, chosen.size - 1)
-    agree = chosen[:m] == drafts[:m]
-    a = m if agree.all() else int(np.argmin(agree))
-    return a, int(chosen[a])
+def accept_chosen(candidates, token: int) -> tuple[int, int]:
+    """One node of a greedy or coupled walk: the target chose ``token`` (its argmax, or its Gumbel-max sample, as
+    without drafts); the walk descends to the candidate holding it. Returns (index of that candidate, or -1: none
+    holds it and the walk ends, the token emitted)."""
+    for i, t in enumerate(candidates):
+        if t == token:
+            return i, token
+    return -1, token
 
 
-def accept_sampling(
-    drafts: np.ndarray,
-    draft_probs: np.ndarray | None,
-    target_probs: np.ndarray,
-    rng: np.random.Generator,
-) -> tuple[int, int]:
-    """Modified rejection sampling: the emitted tokens are distributed exactly as the target's own samples.
+def accept_rejection(p: np.ndarray, candidates, q, rng: np.random.Generator) -> tuple[int, int]:
+    """One node of recursive rejection sampling (SpecInfer): the emitted token is distributed exactly as ``p``.
 
-    Draft token x is kept with probability min(1, p(x) / q(x)); at the first
-    rejection the replacement is drawn from norm(max(0, p - q)); when all are kept
-    a bonus token is drawn from the target's distribution after them.
-    ``draft_probs`` None means a deterministic proposal (q is one-hot at x).
-    """
-    # drafts [m], draft_probs [m, V] or None, target_probs [m + 1, V] -> (accepted count, next token)
-    for j, x in enumerate(drafts):
-        p = target_probs[j]
-        q_x = 1.0 if draft_probs is None else draft_probs[j, x]
-        if rng.random() * q_x < p[x]:
-            continue
-        if draft_probs is None:
-            residual = p.copy()
+    The node's candidates (its children's tokens, in order) are tried one after another: candidate x, drawn from q,
+    is accepted with probability min(1, p'(x) / q(x)), where p' is what is left of p, normalised; at a rejection p'
+    becomes norm(max(0, p' - q)). When none is accepted, the token is drawn from p'. ``q`` [len(candidates), V]
+    (a draft model's distributions), or None: deterministic candidates (q one-hot at x, so a rejection zeroes x).
+    A chain's node has one candidate: min(1, p(x)/q(x)) and the residual norm(max(0, p - q)) of DESIGN.md §4.
+    Returns (index of the accepted candidate, or -1, the token)."""
+    residual = p
+    for i, x in enumerate(candidates):
+        mass = residual.sum()
+        q_x = 1.0 if q is None else q[i][x]
+        if mass > 0 and rng.random() * q_x * mass < residual[x]:
+            return i, int(x)
+        if q is None:
+            residual = residual.copy() if residual is p else residual
             residual[x] = 0.0
         else:
-            residual = np.maximum(p - draft_probs[j], 0.0)
-        if residual.sum() <= 0:  # p <= q everywhere only when p == q, where rejection has probability 0
-            residual = p
-        return j, sample(residual, rng)
-    return drafts.size, sample(target_probs[drafts.size], rng)
+            residual = np.maximum(residual / mass - q[i], 0.0)
+    if residual.sum() <= 0:  # p <= q everywhere only when p == q, where rejection has probability 0
+        residual = p
+    return -1, sample(residual, rng)
 
 
 SPECULATIVE_SAMPLING = ("coupled", "rejection")
+
+
+class RowFault(Exception):
+    """Raised out of a batched step (a drafter's proposals) by one request's own processing — its grammar, logits
+    processing or sampling (verify.RowSampler tags what its methods raise): the scheduler fails that request
+    alone and the round goes on for the others. ``owner``: the RowSampler it came from."""
+
+    def __init__(self, owner, cause: BaseException):
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.owner = owner
+        self.cause = cause
 
 
 def _owned(method):
@@ -228,137 +230,83 @@ class RowSampler:
         return token, float(lp[token]), others
 
     @_owned
-    def verify(self, drafts: np.ndarray, draft_probs, target_logits: np.ndarray, position: int) -> tuple[int, int]:
-        """How many drafts the target accepts, and its own token after them (DESIGN.md §4)."""
-        # drafts [m], draft_probs [m, V] or None, target_logits [m + 1, V]; drafts[0] is at ``position``
-        m = drafts.size
-        if not self.plain:
-            return self._verify_processed(drafts, draft_probs, target_logits, position)
-        if m == 0 and self.mode == "greedy":  # plain decoding: the target's argmax, every round
-            return 0, int(target_logits[0].argmax())
-        if self.mode == "rejection":
-            return accept_sampling(drafts, draft_probs, self.params.probs(target_logits[: m + 1]), self.rng)
-        if self.mode == "greedy":
-            return accept_chosen(drafts, target_logits[: m + 1].argmax(axis=-1))
-        chosen = []
-        for j in range(m + 1):  # stop at the first disagreement: later positions need no noise
-            chosen.append(self.choose(target_logits[j], position + j))
-            if j < m and chosen[j] != drafts[j]:
-                break
-        return accept_chosen(drafts, np.asarray(chosen))
-
-    def _verify_processed(self, drafts, draft_probs, target_logits, position):
-        # position j is processed after drafts[:j] (pushed as the verdict reaches it), then the round's tokens
-        # are dropped again: the scheduler commits what the output takes
-        proc = self.processor
-        if proc is not None:
-            proc.rollback()  # the drafter pushed its own proposals
-        processed = _ProcessedRows(self, target_logits, drafts)
-        if self.mode == "rejection":
-            a, token = accept_sampling(drafts, draft_probs, processed, self.rng)
-        else:
-            m, chosen = drafts.size, []
-            for j in range(m + 1):
-                chosen.append(processed.choose(j, position + j))
-                if j < m and chosen[j] != drafts[j]:
-                    break
-            a, token = accept_chosen(drafts, np.asarray(chosen))
-        if self.params.logprobs is not None:
-            for j, t in enumerate([*drafts[:a].tolist(), token]):
-                self._record(processed.logits(j), t)
-        if proc is not None:
-            proc.rollback()
-        return a, token
-
-
-    @_owned
-    def verify_tree(self, drafts: np.ndarray, parents: np.ndarray, target_logits: np.ndarray,
-                    position: int) -> tuple[list[int], int]:
-        """The longest path of a draft tree the target accepts, and its own token after it.
+    def verify(self, drafts: np.ndarray, parents: np.ndarray | None, draft_probs, target_logits: np.ndarray,
+               position: int, chosen: np.ndarray | None = None) -> tuple[list[int], int]:
+        """The drafts the target accepts, and its own token after them (DESIGN.md §4): THE acceptance of every
+        round, for chains and token trees alike.
 
         ``drafts[j]`` hangs below ``parents[j]`` (-1: the root, the row's last token; parents come first);
-        ``target_logits[0]`` is the root's, ``target_logits[j + 1]`` node j's. The walk starts at the root and
-        at each node takes the target's own choice: greedy and coupled rows choose exactly as without drafts
-        (argmax, or the Gumbel-max sample at that position) and descend to the child holding that token; a
-        rejection-sampling row tries the children in order, accepting child c with probability
-        p'(c) / sum(p'), where p' is p with the children already tried zeroed, and otherwise draws from p'
-        (SpecInfer's recursive rejection with deterministic candidates: the emitted token is distributed
-        exactly as p). Returns (accepted node indices from the root down, the next token).
-        """
-        # drafts [m], parents [m], target_logits [m + 1, V]; the root's child is at ``position``
-        children: dict[int, list[int]] = {}
-        for j, par in enumerate(parents.tolist()):
-            children.setdefault(par, []).append(j)
+        ``parents`` None is a chain (parents j - 1). ``target_logits[0]`` is the root's, ``target_logits[j + 1]``
+        node j's; ``drafts[0]`` is at sequence ``position``. The walk starts at the root and at each node takes the
+        target's own choice: greedy and coupled rows choose exactly as without drafts (the argmax, or the
+        Gumbel-max sample at that position; ``chosen``: the argmax of every node, computed for many rows at once)
+        and descend to the child holding that token (``accept_chosen``); a rejection-sampling row runs recursive
+        rejection over the node's children (``accept_rejection``; ``draft_probs`` [m, V], a chain's draft
+        distributions, or None: deterministic candidates). Returns (the accepted nodes from the root down, the
+        next token)."""
+        # drafts [m], parents [m] or None, draft_probs [m, V] or None, target_logits [m + 1, V]
+        m = drafts.size
+        if parents is None:
+            def children(node):
+                return (node + 1,) if node + 1 < m else ()
+        else:
+            kids: dict[int, list[int]] = {}
+            for j, par in enumerate(parents.tolist()):
+                kids.setdefault(par, []).append(j)
+
+            def children(node):
+                return kids.get(node, ())
         proc = self.processor
         if proc is not None:
             proc.rollback()  # the drafter pushed its own proposals
+        record = self.params.logprobs is not None
         path, node = [], -1
         while True:
-            kids = children.get(node, ())
-            if self.mode == "rejection":
+            nodes = children(node)
+            candidates = [int(drafts[j]) for j in nodes]
+            if chosen is not None:  # a plain greedy row
+                i, token = accept_chosen(candidates, int(chosen[node + 1]))
+            elif self.mode == "rejection":
                 x = self._process(target_logits[node + 1])
-                p = self.params.probs(x)
-                residual, token, nxt = p.copy(), None, None
-                for kid in kids:
-                    t = int(drafts[kid])
-                    mass = residual.sum()
-                    if mass > 0 and self.rng.random() * mass < residual[t]:
-                        token, nxt = t, kid
-                        break
-                    residual[t] = 0.0
-                if token is None:  # (all of p on tried children has probability 0 of every one rejected)
-                    token = sample(residual if residual.sum() > 0 else p, self.rng)
+                q = None if draft_probs is None else [draft_probs[j] for j in nodes]
+                i, token = accept_rejection(self.params.probs(x), candidates, q, self.rng)
             else:
                 token, x = self._choose(target_logits[node + 1], position + len(path))
-                nxt = next((kid for kid in kids if drafts[kid] == token), None)
-            self._record(x, token)
-            if nxt is None:
+                i, token = accept_chosen(candidates, token)
+            if record:
+                self._record(x, token)
+            if i < 0:
                 break
-            path.append(nxt)
-            node = nxt
+            node = nodes[i]
+            path.append(node)
             if proc is not None:
                 proc.push(token)
         if proc is not None:
-            proc.rollback()
+            proc.rollback()  # the scheduler commits what the output takes
         return path, token
 
 
-class _ProcessedRows:
-    """A verify call's processed logits, row j made on first use after pushing drafts[:j]; indexing gives the
-    processed probabilities (``[j]`` a row, ``[j, x]`` one entry), as accept_sampling reads them."""
-
-    def __init__(self, sampler: RowSampler, logits: np.ndarray, drafts: np.ndarray):
-        self.sampler, self.raw, self.drafts = sampler, logits, drafts
-        self._rows: list[np.ndarray] = []
-        self._probs: dict[int, np.ndarray] = {}
-        self._pushed = 0  # drafts pushed to the processor: its state is row _pushed's
-
-    def _at(self, j: int) -> None:
-        proc = self.sampler.processor
-        while self._pushed < j:
-            if proc is not None:
-                proc.push(self.drafts[self._pushed])
-            self._pushed += 1
-
-    def logits(self, j: int) -> np.ndarray:
-        while len(self._rows) <= j:
-            i = len(self._rows)
-            self._at(i)
-            self._rows.append(self.sampler._process(self.raw[i]))
-        return self._rows[j]
-
-    def choose(self, j: int, position: int) -> int:
-        """The row's own token at row j (greedy or coupled), lazily masked where the sampler may."""
-        if not self.sampler._lazy:
-            return self.sampler._pick(self.logits(j), position)
-        self._at(j)
-        return self.sampler._choose(self.raw[j], position)[0]
-
-    def __getitem__(self, key):
-        j, rest = (key[0], key[1:]) if isinstance(key, tuple) else (key, ())
-        if j not in self._probs:
-            self._probs[j] = self.sampler.params.probs(self.logits(j))
-        return self._probs[j][rest] if rest else self._probs[j]
+def verify_rows(samplers, drafts: np.ndarray, parents: np.ndarray | None, counts: np.ndarray, probs,
+                logits: np.ndarray, positions: np.ndarray, skip=()) -> list:
+    """Every row's verdict of one verify call: (accepted nodes, next token), or the exception its own sampler
+    raised (that request's failure alone). Rows in ``skip`` (failed earlier this round) get None. Plain greedy rows
+    take their argmax over the whole call at once (one numpy call for all of them)."""
+    # drafts [B, K], parents [B, K] or None (chains), counts [B], probs [B, K, V] or None, logits [B, W, V]
+    greedy = {s for s, r in enumerate(samplers) if r.plain and r.mode == "greedy" and s not in skip}
+    chosen = logits.argmax(axis=-1) if greedy else None  # (indexing the greedy rows out would copy their logits)
+    verdicts = []
+    for s, sampler in enumerate(samplers):
+        if s in skip:
+            verdicts.append(None)
+            continue
+        m = int(counts[s])
+        try:
+            verdicts.append(sampler.verify(drafts[s, :m], None if parents is None else parents[s, :m],
+                                           None if probs is None else probs[s, :m], logits[s, : m + 1],
+                                           int(positions[s]), chosen[s, : m + 1] if s in greedy else None))
+        except Exception as exc:  # noqa: BLE001 - this request's own failure (a RowFault): it alone ends
+            verdicts.append(exc)
+    return verdicts
 
 
 def expected_tokens_per_call(alpha: float, k: int) -> float:
