@@ -82,7 +82,7 @@ def test_the_round_shape_pays_for_its_verify_call():
     for _ in range(40):
         propose(cheap, [history], 4)
         cheap.accepted(np.array([len(history) + 1]))
-    assert cheap.calibration(1) > 1.0 and 0.75 * cheap.calibration(2) <= 1.75 * 2 / 1.5 - 1.75 + 1e-9
+    assert cheap.calibration(1, 8) > 1.0 and 0.75 * cheap.calibration(2, 8) <= 1.75 * 2 / 1.5 - 1.75 + 1e-9
     assert propose(cheap, [history], 4).drafts[0].tolist() == [4]
     # a verify slot costing as much as a decode call: a node scoring below 1 never pays, so nothing is proposed,
     # but one node goes out every _PROBE_EVERY rounds, so the calibration keeps learning
@@ -93,6 +93,26 @@ def test_the_round_shape_pays_for_its_verify_call():
     assert propose(SuffixDrafter(1, costs=lambda b, t, tree: None), [history], 4).counts.tolist() == [4]
 
 
+def test_short_and_full_matches_are_calibrated_apart():
+    """A 2-token match whose continuation is always rejected lowers the calibration of short matches only: a full
+    8-token match's nodes still pay for their slots (a regenerated answer repeats whole, prose matches rarely)."""
+    drafter = SuffixDrafter(1, costs=lambda b, t, tree: 1.0 + 0.01 * (t - 1))  # slots nearly free: all proposed
+    short = [9, 1, 2, 50, 51, 52, 53, 7, 1, 2]  # (1, 2) matched after 9 once before: a 2-token match
+    for _ in range(40):
+        assert propose(drafter, [short], 4).counts.tolist() == [4]
+        drafter.accepted(np.array([len(short)]))  # nothing accepted
+    assert drafter.calibration(1, 2) < 0.25 and drafter.calibration(1, 8) == 1.0
+    drafter.costs = lambda b, t, tree: 1.0 + 0.4 * (t - 1)  # noqa: E731  (a slot now costs 0.4 of a call)
+    # three earlier occurrences of the last 8 tokens, all followed by 4 5 6 7: score 3/4, calibration 1: pays
+    full = [1, 2, 3, 4, 5, 6, 7, 8] * 4 + [1, 2, 3]
+    drafter.admit(0, None, 0)  # a new request in the row
+    p = propose(drafter, [full], 4)
+    assert p.drafts[0, : p.counts[0]].tolist()[:1] == [4]
+    # the short match's own nodes, calibrated down, no longer pay
+    drafter.admit(0, None, 0)
+    assert propose(drafter, [short], 4).counts.tolist() == [0]
+
+
 def test_a_round_deeper_than_any_before_is_proposed_and_calibrated():
     """k is the engine's to allow (up to a call's width): the per-depth calibration grows to any depth."""
     history = list(range(1, 41)) * 3 + [1, 2, 3]
@@ -100,7 +120,7 @@ def test_a_round_deeper_than_any_before_is_proposed_and_calibrated():
     p = propose(drafter, [history], 30)
     assert p.drafts[0, : p.counts[0]].tolist() == list(range(4, 34))
     drafter.accepted(np.array([len(history) + 30]))
-    assert drafter.calibration(30) > 1.0 and drafter.calibration(31) == 1.0
+    assert drafter.calibration(30, 8) > 1.0 and drafter.calibration(31, 8) == 1.0
 
 
 def test_occurrences_are_the_latest_ones():

@@ -15,10 +15,10 @@ score is the share of continuations through it, an empirical probability of its 
 each continuation is cut at the first token the grammar forbids: only allowed tokens are proposed.
 
 The round's shape is the drafter's own (``costs`` set: the scheduler's load-aware policy gives the measured call
-costs). A node's gain is its score calibrated by the acceptance measured at its depth (the running ratio of
-accepted to predicted at each depth), and each row proposes the best-gain nodes that maximise
-(1 + their gains) / (the verify call's cost at 1 + their count): deep where the text repeats and the call is
-cheap, nothing where a match says too little for its cost. A target without tree verification gets the trie's
+costs). A node's gain is its score calibrated by the acceptance measured at its depth after matches of its
+length (the running ratio of accepted to predicted, short, longer and full matches apart), and each row proposes
+the best-gain nodes that maximise (1 + their gains) / (the verify call's cost at 1 + their count): deep where the
+text repeats and the call is cheap, nothing where a match says too little for its cost. A target without tree verification gets the trie's
 likeliest path as a chain. No earlier occurrence: no drafts, and the round costs the target call alone.
 
 ``SuffixThenDraft`` puts a draft model under it: rows the suffix drafter has nothing for draft with the model,
@@ -47,6 +47,13 @@ _MASK2, _MASK4 = (1 << 2 * _BITS) - 1, (1 << 4 * _BITS) - 1
 _CALIBRATION_PRIOR = 4.0  # predicted tokens' worth of "the scores are right" before a depth is measured
 _CALIBRATION_MEMORY = 256.0  # a depth's counts are halved beyond this: acceptance drifts with the text
 _PROBE_EVERY = 32  # rounds with a match but nothing worth proposing, before one node is proposed anyway
+# the calibration is kept apart for short (2-3 tokens), longer (4-7) and full (MAX_MATCH) matches: how far back the
+# text agrees says how often what followed it follows again (a regenerated answer matches in full and repeats whole;
+# a 2-token match in prose rarely), which a continuation's count alone does not say
+
+
+def _match_class(m: int) -> int:
+    return 0 if m < 4 else 1 if m < MAX_MATCH else 2
 
 
 class _Text:
@@ -197,9 +204,9 @@ class SuffixDrafter(Drafter):
         self.min_score = min_score
         self.costs = costs
         self.rows: list[_Text] = [_Text() for _ in range(max_batch)]
-        self.predicted = np.zeros(1)  # per depth (index 1..): the scores of proposed nodes, summed
-        self.reached = np.zeros(1)  # per depth: rounds whose accepted path reached it
-        self._round: list | None = None  # this round's proposals: (row, n, scores per depth) for accepted()
+        self.predicted = np.zeros((3, 1))  # per match class (_match_class) and depth (1..): proposed nodes' scores
+        self.reached = np.zeros((3, 1))  # per match class and depth: rounds whose accepted path reached it
+        self._round: list | None = None  # this round's proposals: (row, n, depths, scores, match class)
         self._idle = 0  # rounds since a row last proposed while it had a match
 
     # -- the Drafter protocol ---------------------------------------------------------------
@@ -219,9 +226,9 @@ class SuffixDrafter(Drafter):
         # tokens [B, cap] int64, n [B], caps [B] -> Proposal (a tree per row, or chains); no engine calls: the
         # round's own clock counts this host work
         b = n.size
-        if b and int(caps.max()) >= self.predicted.size:  # a deeper round than any before: room for its depths
-            grow = int(caps.max()) + 1 - self.predicted.size
-            self.predicted, self.reached = np.pad(self.predicted, (0, grow)), np.pad(self.reached, (0, grow))
+        if b and int(caps.max()) >= self.predicted.shape[1]:  # a deeper round than any before: room for its depths
+            grow = ((0, 0), (0, int(caps.max()) + 1 - self.predicted.shape[1]))
+            self.predicted, self.reached = np.pad(self.predicted, grow), np.pad(self.reached, grow)
         trees = []
         self._round = []
         # the verify call's seconds at 1.. tokens a row, asked once a round
@@ -235,8 +242,8 @@ class SuffixDrafter(Drafter):
                 text.extend(tokens[r, len(text) : length].tolist())
             processor = samplers[r].processor if samplers is not None else None
             grammar = processor if processor is not None and processor.constraint is not None else None
-            nodes, parents, scores, depths = self._candidates(text, depth, grammar)
-            keep = self._shape(call_costs, scores, depths)
+            nodes, parents, scores, depths, match = self._candidates(text, depth, grammar)
+            keep = self._shape(call_costs, scores, depths, match)
             if keep < len(nodes):
                 nodes, parents, scores, depths = nodes[:keep], parents[:keep], scores[:keep], depths[:keep]
             if nodes:
@@ -246,7 +253,7 @@ class SuffixDrafter(Drafter):
                     nodes = [nodes[j] for j in order]
                     parents = [at[parents[j]] if parents[j] >= 0 else -1 for j in order]
                     scores, depths = [scores[j] for j in order], [depths[j] for j in order]
-                self._round.append((r, length, depths, scores))
+                self._round.append((r, length, depths, scores, _match_class(match)))
             trees.append((nodes, parents))
         drafts, parents, counts = pack_trees(trees, max([len(t) for t, _ in trees] + [0]))
         if not self.tree:
@@ -254,16 +261,16 @@ class SuffixDrafter(Drafter):
         return Proposal(drafts, counts, None, [], parents, f"suffix{self.tree_nodes}")
 
     def accepted(self, valid):
-        """The verdicts calibrate the scores: at each depth, how often the accepted path reached it against the
-        summed scores of the nodes proposed there."""
+        """The verdicts calibrate the scores: per match class and depth, how often the accepted path reached it
+        against the summed scores of the nodes proposed there."""
         if not self._round:
             return
         predicted, reached = self.predicted, self.reached
-        for r, length, depths, scores in self._round:
+        for r, length, depths, scores, c in self._round:
             got = max(0, int(valid[r]) - length) if r < valid.size else 0
             for d, score in zip(depths, scores):
-                predicted[d] += score
-            reached[1 : min(got, depths[-1]) + 1] += 1
+                predicted[c, d] += score
+            reached[c, 1 : min(got, depths[-1]) + 1] += 1
         full = predicted > _CALIBRATION_MEMORY
         predicted[full] *= 0.5
         reached[full] *= 0.5
@@ -271,28 +278,29 @@ class SuffixDrafter(Drafter):
 
     # -- proposals ------------------------------------------------------------------------------
 
-    def _continuations(self, text: _Text, depth: int) -> list[list[int]]:
+    def _continuations(self, text: _Text, depth: int) -> tuple[int, list[list[int]]]:
+        """(the longest match's length, the continuations after its occurrences: the row's own first)."""
         tail = text.seq[-MAX_MATCH:].tolist()
         m, found = text.find(tail)
         seq, base = text.seq, text.base
         own = [seq[p - base : p - base + depth].tolist() for p in found]
         if m == MAX_MATCH or not self.cache.tokens:  # (the cache could only tie)
-            return own[:MAX_OCCURRENCES]
+            return m, own[:MAX_OCCURRENCES]
         m_cache, shared = self.cache.find(tail, depth)
         if m_cache > m:
-            return shared[:MAX_OCCURRENCES]
+            return m_cache, shared[:MAX_OCCURRENCES]
         if m_cache == m:
             own += shared
-        return own[:MAX_OCCURRENCES]
+        return m, own[:MAX_OCCURRENCES]
 
-    def _candidates(self, text: _Text, depth: int, grammar) -> tuple[list, list, list, list]:
-        """(tokens, parents, scores, depths) of this row's candidate nodes, best first (a parent before its
+    def _candidates(self, text: _Text, depth: int, grammar) -> tuple[list, list, list, list, int]:
+        """(tokens, parents, scores, depths, the match's length) of this row's candidate nodes, best first (a parent before its
         children): the trie of continuations, or its likeliest path (chains), nodes through fewer than min_score of
         the continuations out. A score is the share of continuations through the node, counting one more that
         goes elsewhere (a lone occurrence is a guess, not a certainty: 1/2; 16 agreeing: 16/17)."""
-        found = self._continuations(text, depth)
+        m, found = self._continuations(text, depth)
         if not found:
-            return [], [], [], []
+            return [], [], [], [], m
         total = len(found)
         # repetitive text repeats its continuations: count each distinct one once (latest first, for ties)
         distinct: dict[tuple, int] = {}
@@ -309,9 +317,9 @@ class SuffixDrafter(Drafter):
         if len(distinct) == 1:  # one continuation (repeated text): a chain, each node as likely as the next
             (cont, w), = distinct.items()
             if w < floor or not cont:
-                return [], [], [], []
+                return [], [], [], [], m
             score = w / (total + 1)
-            return list(cont), list(range(-1, len(cont) - 1)), [score] * len(cont), list(range(1, len(cont) + 1))
+            return list(cont), list(range(-1, len(cont) - 1)), [score] * len(cont), list(range(1, len(cont) + 1)), m
         if not self.tree:  # a chain: the likeliest next token at each step, among the continuations still agreeing
             chain: list[int] = []
             scores: list[float] = []
@@ -330,7 +338,7 @@ class SuffixDrafter(Drafter):
                 chain.append(token)
                 scores.append(votes[token] / (total + 1))
                 live = [(cont, w) for cont, w in live if len(cont) > j and cont[j] == token]
-            return chain, list(range(-1, len(chain) - 1)), scores, list(range(1, len(chain) + 1))
+            return chain, list(range(-1, len(chain) - 1)), scores, list(range(1, len(chain) + 1)), m
         counts: dict[tuple, int] = {}  # trie node (its path) -> continuations through it
         for cont, w in distinct.items():
             for j in range(1, len(cont) + 1):
@@ -341,13 +349,15 @@ class SuffixDrafter(Drafter):
         ranked = ranked[: self.tree_nodes]
         index = {path: i for i, path in enumerate(ranked)}
         return ([p[-1] for p in ranked], [index[p[:-1]] if len(p) > 1 else -1 for p in ranked],
-                [counts[p] / (total + 1) for p in ranked], [len(p) for p in ranked])
+                [counts[p] / (total + 1) for p in ranked], [len(p) for p in ranked], m)
 
-    def calibration(self, depth: int) -> float:
-        """Accepted per predicted at ``depth`` (1: the scores are taken as they are, before anything is measured)."""
-        if depth >= self.predicted.size:
+    def calibration(self, depth: int, match: int) -> float:
+        """Accepted per predicted at ``depth`` after a ``match``-token match (1: the scores are taken as they are,
+        before anything is measured)."""
+        if depth >= self.predicted.shape[1]:
             return 1.0
-        return float((self.reached[depth] + _CALIBRATION_PRIOR) / (self.predicted[depth] + _CALIBRATION_PRIOR))
+        c = _match_class(match)
+        return float((self.reached[c, depth] + _CALIBRATION_PRIOR) / (self.predicted[c, depth] + _CALIBRATION_PRIOR))
 
     def _call_costs(self, b: int, nodes: int) -> list[float] | None:
         """The verify call's seconds at b rows of 1..nodes + 1 tokens (a tree target verifies even an empty tree in
@@ -357,7 +367,7 @@ class SuffixDrafter(Drafter):
         table = [self.costs(b, t, self.tree) for t in range(1, int(nodes) + 2)]
         return None if any(c is None for c in table) else table
 
-    def _shape(self, call_costs: list[float] | None, scores: list[float], depths: list[int]) -> int:
+    def _shape(self, call_costs: list[float] | None, scores: list[float], depths: list[int], match: int) -> int:
         """How many of the best-first candidates to propose: all (no call costs known), or the count with the most
         tokens expected per second of the verify call (``call_costs[t - 1]``: its seconds at t tokens a row)."""
         if not scores or call_costs is None:
@@ -365,7 +375,7 @@ class SuffixDrafter(Drafter):
         # gains: calibrated scores, never above a shallower candidate's (the candidates come best first)
         best_rate, best, expected, ceiling = 1.0 / call_costs[0], 0, 1.0, 1.0
         for i, (score, d) in enumerate(zip(scores, depths)):
-            ceiling = min(ceiling, score * self.calibration(d))
+            ceiling = min(ceiling, score * self.calibration(d, match))
             expected += ceiling
             cost = call_costs[i + 1]
             if expected / cost > best_rate:
