@@ -255,9 +255,13 @@ class SuffixDrafter(Drafter):
                     scores, depths = [scores[j] for j in order], [depths[j] for j in order]
                 self._round.append((r, length, depths, scores, _match_class(match)))
             trees.append((nodes, parents))
+        if not self.tree:  # chains: the tokens alone, in one conversion of padded lists
+            counts = [len(t) for t, _ in trees]
+            k = max(counts, default=0)
+            drafts = (np.array([[*t, *[0] * (k - len(t))] for t, _ in trees], np.int64) if k
+                      else np.zeros((b, 0), np.int64))
+            return Proposal(drafts, np.array(counts, np.int64))
         drafts, parents, counts = pack_trees(trees, max([len(t) for t, _ in trees] + [0]))
-        if not self.tree:
-            return Proposal(drafts, counts)
         return Proposal(drafts, counts, None, [], parents, f"suffix{self.tree_nodes}")
 
     def accepted(self, valid):
