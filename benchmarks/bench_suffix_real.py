@@ -611,6 +611,31 @@ def plot(res: dict, path: Path):
     plt.close(fig)
 
 
+def host_cost_only(results: Path, runs: int) -> dict:
+    """The suffix drafter's host cost, medians of ``runs``, on an earlier run's 8 rows (prompts + reported outputs)."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    res = json.loads(results.read_text())
+    tokenizer = AutoTokenizer.from_pretrained(hf_checkpoint(smollm2_gguf()))
+    workloads = make_workloads(tokenizer, res["workloads"], res["prompts"])
+    rows = []
+    for i in range(max(map(len, workloads.values()))):
+        for w, prompts in workloads.items():
+            if i < len(prompts):
+                text = res["outputs"][w]["text"]
+                rows.append(prompts[i]["ids"] + (tokenizer.encode(text[i], add_special_tokens=False)
+                                                 if i < len(text) else []))
+    texts = list(itertools.islice(itertools.cycle(rows), 8))
+    out = {"rows_tokens": [len(t) for t in texts], "runs": runs,
+           "chains_us": statistics.median(host_cost(texts, False) for _ in range(runs)),
+           "trees_us": statistics.median(host_cost(texts, True) for _ in range(runs))}
+    print(f"suffix drafter host cost over 8 rows ({out['rows_tokens']} tokens), medians of {runs} runs: chains "
+          f"{out['chains_us']:.1f} us, trees {out['trees_us']:.1f} us a round")
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
@@ -627,7 +652,12 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--k-policy", choices=["load-aware", "fixed"], default="load-aware")
     ap.add_argument("--out", type=Path, default=RESULTS / "suffix-real", help="output path without suffix")
+    ap.add_argument("--host-cost", type=int, metavar="N",
+                    help="only the suffix drafter's host cost: N runs of bench_suffix.host_cost (medians) on the 8 rows "
+                         "of an earlier run's prompts and reported outputs (OUT.json, re-encoded); nothing is written")
     args = ap.parse_args(argv)
+    if args.host_cost:
+        return host_cost_only(args.out.with_suffix(".json"), args.host_cost)
     if args.rounds < 1 or args.prompts < 1 or args.tokens < 2:
         ap.error("--rounds and --prompts must be at least 1, --tokens at least 2")
 
