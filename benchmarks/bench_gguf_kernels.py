@@ -1,7 +1,7 @@
 """The onnxruntime facts the GGUF build rests on (builder/ort_lowering.py: gguf_linears, GGUF_ACCURACY_LEVEL), and
 what they cost on the real model.
 
-    python benchmarks/bench_gguf_kernels.py [--engine engines/smollm2] [--int8-engine engines/smollm2-int8]
+    python benchmarks/bench_gguf_kernels.py [--engine engines/smollm2] [--int8-engine engines/smollm2-int8x]
                                             [--export export/smollm2]
 
 1. One MatMulNBits node (N=1536, K=576, block 32, 2 threads), median us per one-token call: Q4_1's minimum as
@@ -133,7 +133,7 @@ def without_minimums(export_dir: Path, out: Path) -> Path:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engine", type=Path, default=Path("engines/smollm2"))
-    ap.add_argument("--int8-engine", type=Path, default=Path("engines/smollm2-int8"))
+    ap.add_argument("--int8-engine", type=Path, default=Path("engines/smollm2-int8x"))
     ap.add_argument("--export", type=Path, default=Path("export/smollm2"))
     args = ap.parse_args()
     result = {"nodes": nodes()}

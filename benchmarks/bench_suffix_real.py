@@ -271,20 +271,25 @@ def made(artifact: Path, make) -> Path:
     return artifact
 
 
-def engines(gguf: Path, hf_dir: Path, want_tree: bool, want_draft: bool, log) -> tuple[dict, dict]:
+def engines(gguf: Path, hf_dir: Path, want_tree: bool, want_draft: bool, log,
+            int8_activations: bool = False) -> tuple[dict, dict]:
     """{"plain", "tree", "draft"} -> engine directory (only those asked for and available); and the reasons of
-    those left out."""
+    those left out. ``int8_activations``: the target engines built with `build --int8-activations`."""
     from trtspec import build, export, quantize
 
     out, missing = {}, {}
-    plain = ROOT / "engines" / "smollm2"
-    if not (plain / "manifest.json").is_file():  # what `make demo` makes
+    suffix = "-int8x" if int8_activations else ""
+    plain = ROOT / "engines" / f"smollm2{suffix}"
+    if not (plain / "manifest.json").is_file():  # what `make demo` makes (with --int8-activations: its export, built so)
         log(f"making {plain} (trtspec export {gguf.name} export/smollm2 --max-seq-len 2048 --max-batch 4; build)")
         exported = made(ROOT / "export" / "smollm2",
                         lambda x: export(gguf, x, max_seq_len=2048, max_batch=4))
-        build(exported, plain)
+        build(exported, plain, int8_activations=int8_activations)
     out["plain"] = plain
-    if want_tree:  # stamped with the GGUF's weights as bench_real dequantizes them (made_from reads safetensors)
+    if want_tree and int8_activations:
+        missing["tree"] = ("`build --int8-activations` refuses a tree export: tree verification would not be lossless "
+                           "(suffix trees equalled the tree engine alone on 11 of 20 of these prompts)")
+    elif want_tree:  # stamped with the GGUF's weights as bench_real dequantizes them (made_from reads safetensors)
         t = time.perf_counter()
         x = made(made_from(WORKDIR / "tree-export", hf_dir),
                  lambda x: export(gguf, x, max_seq_len=2048, max_batch=4, tree=True))
@@ -381,12 +386,15 @@ def configurations(args, gguf: Path, hf_dir: Path, eos: int, log) -> tuple[list[
     skipped: dict[str, str] = {}
     trt = [n for n in picked if n in TRTSPEC_CONFIGS]
     eng, missing = engines(gguf, hf_dir, any(TRTSPEC_CONFIGS[n][0] == "tree" for n in trt),
-                           any(TRTSPEC_CONFIGS[n][2] for n in trt), log) if trt else ({}, {})
+                           any(TRTSPEC_CONFIGS[n][2] for n in trt), log, args.int8_activations) if trt else ({}, {})
     systems: list[System] = []
     for n in trt:
         engine, drafter, uses_draft, k, nodes = TRTSPEC_CONFIGS[n]
         if uses_draft and "draft" not in eng:
             skipped[n] = missing["draft"]
+            continue
+        if engine not in eng:
+            skipped[n] = missing[engine]
             continue
         systems.append(Isolated(TrtspecConfig(n, eng[engine], drafter, eng.get("draft") if uses_draft else None, k,
                                               nodes, args.k_policy, args.threads, hf_dir)))
@@ -630,9 +638,12 @@ def host_cost_only(results: Path, runs: int) -> dict:
     texts = list(itertools.islice(itertools.cycle(rows), 8))
     out = {"rows_tokens": [len(t) for t in texts], "runs": runs,
            "chains_us": statistics.median(host_cost(texts, False) for _ in range(runs)),
-           "trees_us": statistics.median(host_cost(texts, True) for _ in range(runs))}
+           "trees_us": statistics.median(host_cost(texts, True) for _ in range(runs)),
+           "chains_unshaped_us": statistics.median(host_cost(texts, False, shaped=False) for _ in range(runs)),
+           "trees_unshaped_us": statistics.median(host_cost(texts, True, shaped=False) for _ in range(runs))}
     print(f"suffix drafter host cost over 8 rows ({out['rows_tokens']} tokens), medians of {runs} runs: chains "
-          f"{out['chains_us']:.1f} us, trees {out['trees_us']:.1f} us a round")
+          f"{out['chains_us']:.1f} us, trees {out['trees_us']:.1f} us a round, shaped by call costs with the verdicts "
+          f"learnt (propose alone, unshaped: {out['chains_unshaped_us']:.1f} / {out['trees_unshaped_us']:.1f} us)")
     return out
 
 
@@ -651,6 +662,10 @@ def main(argv=None):
                     help="llama-server n-gram speculation types, one configuration each (default all)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--k-policy", choices=["load-aware", "fixed"], default="load-aware")
+    ap.add_argument("--int8-activations", action="store_true",
+                    help="the target engine built with `trtspec build --int8-activations` (engines/smollm2-int8x), "
+                         "every call 2 tokens or more: exact, and faster here; no tree configuration (that build "
+                         "refuses a tree export)")
     ap.add_argument("--out", type=Path, default=RESULTS / "suffix-real", help="output path without suffix")
     ap.add_argument("--host-cost", type=int, metavar="N",
                     help="only the suffix drafter's host cost: N runs of bench_suffix.host_cost (medians) on the 8 rows "

@@ -343,6 +343,68 @@ def test_int8_activations_build_records_its_accuracy_level(tiny, tmp_path, expor
         build(tiny["export"], tmp_path / "f", weights="float", int8_activations=True)
     with pytest.raises(ValueError, match="--int8-activations applies only"):
         build(exported("llama"), tmp_path / "e", int8_activations=True)
+    tree = export(tiny["path"], tmp_path / "tree-export", max_seq_len=64, max_batch=2, tree=True)
+    with pytest.raises(ValueError, match="cannot build an export made with --tree"):
+        build(tree, tmp_path / "t", int8_activations=True)
+    assert not (tmp_path / "t").exists()
+
+
+def _rows_alone_and_together(engine, ids, prompt: int, chunks=(64, 64)):
+    """(the logits of ids[r, prompt:] fed one token a call, row by row; the same tokens as one call of both rows):
+    row r reads its prompt in chunks of chunks[r] tokens first."""
+    engine.reset()
+    pos = np.tile(np.arange(ids.shape[1]), (ids.shape[0], 1))
+    for r, chunk in enumerate(chunks):
+        for a in range(0, prompt, chunk):
+            engine.forward(ids[r : r + 1, a : min(prompt, a + chunk)], pos[r : r + 1, a : min(prompt, a + chunk)], first_row=r)
+    alone = np.stack([np.stack([engine.forward(ids[r : r + 1, j : j + 1], pos[r : r + 1, j : j + 1], first_row=r)[0, 0].copy()
+                                for j in range(prompt, ids.shape[1])]) for r in range(ids.shape[0])])
+    together = engine.forward(ids[:, prompt:], pos[:, prompt:], first_row=0).copy()
+    return alone, together
+
+
+def test_int8_activations_engine_computes_each_row_the_same_in_every_call(tiny, tmp_path):
+    """Every call of an int8-activation engine has 2 tokens a row or more (a one-token call carries a pad), on one graph:
+    a row's logits are bit-identical whether it is decoded one token a call, verified in a call of several tokens,
+    batched with another row, or read its prompt in other chunks; so speculation reproduces the engine's own output."""
+    from trtspec.engines import load_engine
+    from trtspec.runtime import Generator
+
+    path = build(tiny["export"], tmp_path / "int8", int8_activations=True)
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["build"]["min_call_tokens"] == 2 and "decode_graph" not in manifest["build"]
+    engine = load_engine(path, num_threads=2)
+    assert engine.max_seq_len == 63  # (the last slot holds a pad)
+    ids = np.random.default_rng(0).integers(0, manifest["model"]["vocab_size"], size=(2, 40))
+    alone, together = _rows_alone_and_together(engine, ids, 35, chunks=(35, 6))
+    assert np.array_equal(alone, together)
+    steps = []
+    engine.greedy_steps(1, int(ids[1, 35]), 35, 4, lambda token: steps.append(token) or True)
+    assert steps[0] == int(alone[1, 0].argmax())  # the engine's own loop pads as forward does
+    with pytest.raises(ValueError, match="position"):  # the last slot is the pad's
+        engine.forward(np.array([[1]]), np.array([[63]]))
+
+    prompts = ["def add(a, b):\n    return a + b\n\nfor i in range(10):\n", "x = [1, 2, 3]\ny = [1, 2, 3]\n"]
+    gen = Generator(path, num_threads=2)
+    want = [gen.generate(p, max_new_tokens=24).token_ids for p in prompts]
+    gen.close()
+    for drafter in ("prompt_lookup", "suffix"):
+        gen = Generator(path, drafter=drafter, num_threads=2)
+        assert [r.token_ids for r in gen.generate(prompts, max_new_tokens=24)] == want, drafter  # two rows batched
+        assert gen.generate(prompts[0], max_new_tokens=24).token_ids == want[0], drafter
+        gen.close()
+
+
+@needs_smollm2
+def test_smollm2_int8_activations_rows_are_bit_identical_across_calls(smollm2, tmp_path):
+    """On SmolLM2, one-token calls without the pad differed from a 5-token call's rows by 1.1-1.8 in the logits
+    (onnxruntime's one-row GEMM kernel, then the int8 roundings); with it they are equal, bit for bit."""
+    from trtspec.engines import load_engine
+
+    engine = load_engine(build(smollm2["export"], tmp_path / "int8", int8_activations=True), num_threads=2)
+    ids = np.random.default_rng(1).integers(0, 49152, size=(1, 155))
+    alone, together = _rows_alone_and_together(engine, ids, 150, chunks=(64,))
+    assert np.array_equal(alone, together)
 
 
 def test_an_architecture_transformers_cannot_read_from_gguf_is_refused_clearly(tmp_path):

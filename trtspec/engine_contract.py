@@ -9,6 +9,16 @@ from .errors import CapacityError
 
 MATMUL_NBITS_ACCURACY_LEVEL = 4
 
+# Engines whose rows must be computed the same way in every call: an int8-activation build (`build
+# --int8-activations`) runs every call with at least this many tokens a row, on one graph. onnxruntime's CPU GEMM
+# (MLAS) takes a kernel of its own for a one-row product (M = 1), which sums in another order; its 1e-7 differences
+# then flip an int8 rounding of the activations and grow to logit differences of 1-2 over SmolLM2's 30 layers. From
+# 2 tokens up, each row's logits were bit-identical whatever the call's rows, tokens and live length (the built graph;
+# the GroupQueryAttention decode graph is bit-identical only to itself): a decode call carries one pad token
+# (the last token again, one position on, its cache write hidden by the mask and overwritten by the next), so
+# speculation reproduces the engine's own greedy output exactly, at any batch size.
+EXACT_MIN_CALL_TOKENS = 2
+
 
 def fuses_qdq(manifest: dict) -> bool:
     """Whether onnxruntime may fuse this artifact's Q/DQ nodes: for weight-only quantization only.

@@ -19,7 +19,7 @@ import shutil
 import time
 from pathlib import Path
 
-from ..engine_contract import MATMUL_NBITS_ACCURACY_LEVEL, fuses_qdq
+from ..engine_contract import EXACT_MIN_CALL_TOKENS, MATMUL_NBITS_ACCURACY_LEVEL, fuses_qdq
 from ..engines.onnxruntime import session_options
 from ..manifest import ENGINE_FORMAT, atomic_artifact, export_source, versions
 
@@ -102,6 +102,12 @@ def build_onnxruntime(export_dir: Path, export_manifest: dict, out_dir: Path, *,
     gguf = "gguf" in export_manifest and weights != "float"
     if int8_activations and not gguf:
         raise ValueError("--int8-activations applies only to a GGUF export's default build (--weights gguf)")
+    if int8_activations and export_manifest["model"].get("tree_verify"):
+        # measured on SmolLM2: suffix trees reproduced the tree engine's own greedy output on 11 of 20 prompts
+        raise ValueError("--int8-activations cannot build an export made with --tree: a tree's nodes attend over "
+                         "other cache slots than the same tokens decoded one by one, and int8 activations turn that "
+                         "float difference into other tokens, so tree verification would not be lossless; build it "
+                         "without --int8-activations, or export without --tree (chains stay exact)")
     if quantization is None and not fuse_qdq:
         raise ValueError("--no-qdq-fusion applies only to quantized exports (made by `trtspec quantize`); drop it")
     fuse = fuse_qdq and fuses_qdq(export_manifest)
@@ -150,7 +156,11 @@ def build_onnxruntime(export_dir: Path, export_manifest: dict, out_dir: Path, *,
             log.info("optimising %s with onnxruntime %s", export_dir / graph, ort.__version__)
             ort.InferenceSession(str(staged / graph), so, providers=["CPUExecutionProvider"])
             shutil.rmtree(staged)
-            if fusion:
+            if int8_activations:  # one graph for every call, each of 2 tokens or more (engine_contract.py)
+                build["min_call_tokens"] = EXACT_MIN_CALL_TOKENS
+                log.info("int8 activations: every call runs the built graph with %d tokens a row or more, so each row's "
+                         "logits are the same in every call (no decode graph)", EXACT_MIN_CALL_TOKENS)
+            elif fusion:
                 build["decode_graph"] = _decode_graph(tmp, graph, export_manifest["model"])
         if quantization is not None:
             ops = collections.Counter(n.op_type for n in onnx.load(str(tmp / graph), load_external_data=False).graph.node)

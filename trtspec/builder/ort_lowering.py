@@ -416,11 +416,13 @@ def packed_gate_up(model: ir.Model) -> int:
 # but the minimums' MatMul and Add are saved.
 GGUF_PACKED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 # MatMulNBits' accuracy level for the 4-bit layers: 0 computes in float32 from the exact weights. Level 4 (int8
-# activations, as llama.cpp's Q8 dot products) was faster, but an int8 rounding turns the float noise between a
-# one-token and a several-token call (1e-7) into logit differences of 0.1 and more over 30 layers: speculative
-# decoding then no longer reproduced the engine's own greedy output (SmolLM2, 1 prompt of 4). SmolLM2's decode call:
-# 10.4 ms at level 0, 8.3 at level 4; a 5-token call 26.4 vs 15.5 ms (`build --int8-activations` chooses level 4;
-# benchmarks/bench_gguf_kernels.py). 8-bit MatMulNBits at level 0 is a float32 fallback 260x slower here: the 8-bit head keeps level 4 (it rounds its
+# activations, as llama.cpp's Q8 dot products) is faster, but an int8 rounding turns the float noise between a
+# one-token and a several-token call (1e-7: onnxruntime's one-row GEMM kernel) into logit differences of 1-2 over 30
+# layers. `build --int8-activations` chooses level 4 and runs every call with 2 tokens or more on one graph, which
+# makes each row's logits the same in every call (engine_contract.EXACT_MIN_CALL_TOKENS); it stays an option because
+# int8 activations move the predictions further from the float weights' (benchmarks/bench_gguf_quality.py: top-1
+# agreement 0.956 against 0.986 at level 0). SmolLM2's decode call: 11.0 ms at level 0, 9.5 at level 4 (one pad token); a 5-token
+# call 25.1 vs 13.6 ms (benchmarks/bench_gguf_kernels.py). 8-bit MatMulNBits at level 0 is a float32 fallback 260x slower here: the 8-bit head keeps level 4 (it rounds its
 # input once, nothing after it amplifies that), and other 8-bit layers stay float MatMuls of the same weights.
 GGUF_ACCURACY_LEVEL = 0
 

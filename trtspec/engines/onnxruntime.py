@@ -106,7 +106,10 @@ class OnnxRuntimeEngine(CacheRows):
         self.path = Path(path)
         self.manifest = manifest
         model = manifest["model"]
-        self.max_seq_len = model["max_seq_len"]
+        # an int8-activation build runs every call with at least min_call_tokens tokens a row (engine_contract.py:
+        # EXACT_MIN_CALL_TOKENS): a shorter call gets pad tokens after its own, which need the slots after them
+        self.min_call_tokens = int(manifest.get("build", {}).get("min_call_tokens", 1))
+        self.max_seq_len = model["max_seq_len"] - (self.min_call_tokens - 1)
         self.max_batch = model["max_batch"]
         self.vocab_size = model["vocab_size"]
         self.dtype = _NP_DTYPES[model["dtype"]]
@@ -175,6 +178,9 @@ class OnnxRuntimeEngine(CacheRows):
         # The returned array is a reused buffer: valid until the next call of the same shape.
         input_ids, position_ids, tree_mask = check_call(self, input_ids, position_ids, first_row, tree_mask)
         tree = tree_mask is not None
+        t_asked = input_ids.shape[1]
+        if t_asked < self.min_call_tokens:
+            input_ids, position_ids, tree_mask, inputs = self._pad(input_ids, position_ids, tree_mask, inputs)
         b, t = input_ids.shape
         with self._guard:
             g = self._graph_for(b, t, tree)
@@ -196,10 +202,28 @@ class OnnxRuntimeEngine(CacheRows):
                 bd.tree[:] = np.tril(np.ones((t, t), bool))
                 bd.causal = True
             g.session.run_with_iobinding(bd.io)
-            self.features = bd.features
+            self.features = bd.features if t == t_asked or bd.features is None else bd.features[:, :t_asked]
             if self._rings is not None:
                 self._rings.wrote(first_row, position_ids)
-        return bd.logits
+        return bd.logits if t == t_asked else bd.logits[:, :t_asked]
+
+    def _pad(self, input_ids, position_ids, tree_mask, inputs):
+        """A call of fewer than min_call_tokens tokens a row, padded to that many: each row's last token again at
+        the next positions (their cache writes land where the mask hides them until the next call overwrites them),
+        a tree mask whose pads see the tree and themselves, zeros for a head's extra inputs."""
+        b, t = input_ids.shape
+        pad = self.min_call_tokens - t
+        step = np.arange(1, pad + 1)
+        input_ids = np.concatenate([input_ids, np.repeat(input_ids[:, -1:], pad, 1)], 1)
+        position_ids = np.concatenate([position_ids, position_ids[:, -1:] + step], 1)
+        if tree_mask is not None:
+            padded = np.tril(np.ones((b, t + pad, t + pad), bool))
+            padded[:, :t, :t] = tree_mask
+            tree_mask = padded
+        if inputs:
+            inputs = {name: None if v is None else np.concatenate(
+                [v, np.zeros((b, pad, *np.shape(v)[2:]), np.asarray(v).dtype)], 1) for name, v in inputs.items()}
+        return input_ids, position_ids, tree_mask, inputs
 
     def greedy_steps(self, row: int, token: int, position: int, steps: int, on_token) -> tuple[int, float]:
         """engines.base.greedy_steps for this engine: one row, one token per call, in a loop that only writes
@@ -209,20 +233,21 @@ class OnnxRuntimeEngine(CacheRows):
         check_greedy_steps(self, row, token, position, steps)
         seconds = 0.0
         clock = time.perf_counter
+        t = self.min_call_tokens  # (each call's token and its pads: the token again at the next positions)
         with self._guard:
-            g = self._graph_for(1, 1)
-            bd = self._binding(g, 1, 1)
+            g = self._graph_for(1, t)
+            bd = self._binding(g, 1, t)
             if (row, 1) != bd.rows:
                 self._bind_cache(bd, (row, 1))
             if bd.tree is not None and not bd.causal:
-                bd.tree[:] = True
+                bd.tree[:] = np.tril(np.ones((t, t), bool))
                 bd.causal = True
             self.features = bd.features
             ids, pos, logits, run, binding = bd.ids, bd.pos, bd.logits[0, 0], g.session.run_with_iobinding, bd.io
             try:
                 for i in range(steps):
-                    ids[0, 0] = token
-                    pos[0, 0] = position + i
+                    ids[0, :] = token
+                    pos[0, :] = range(position + i, position + i + t)
                     t0 = clock()
                     run(binding)
                     seconds += clock() - t0

@@ -59,24 +59,26 @@ class CallCosts:
         entry[0] += (seconds - entry[0]) / entry[1]
 
     def estimate(self, b: int, t: int) -> float | None:
-        if (b, t) in self.means:
-            return self.means[(b, t)][0]
+        # (asked for every size of every round by self-shaping drafters: the fit is kept between refits, and only the
+        # fallback below builds arrays)
+        entry = self.means.get((b, t))
+        if entry is not None:
+            return entry[0]
         if not self.means:
             return None
-        sizes = np.array([bb * tt for bb, tt in self.means], dtype=float)
-        costs = np.array([m for m, _ in self.means.values()])
         if self._fit is None:
             self._fit = False
+            sizes = np.array([bb * tt for bb, tt in self.means], dtype=float)
             if np.unique(sizes).size >= 2:
-                slope, intercept = np.polyfit(sizes, costs, 1)
+                slope, intercept = np.polyfit(sizes, [m for m, _ in self.means.values()], 1)
                 if slope > 0 and intercept > 0:
-                    self._fit = (slope, intercept)
+                    self._fit = (float(slope), float(intercept))
         if self._fit:
             slope, intercept = self._fit
-            return float(intercept + slope * b * t)
+            return intercept + slope * b * t
         # one size measured (or a fit that makes no sense yet): scale the nearest by the prior slope
-        i = int(np.argmin(np.abs(sizes - b * t)))
-        return float(costs[i] * (1 + _PRIOR_SLOPE * (b * t - 1)) / (1 + _PRIOR_SLOPE * (sizes[i] - 1)))
+        size, mean = min(((bb * tt, m) for (bb, tt), (m, _) in self.means.items()), key=lambda sm: abs(sm[0] - b * t))
+        return float(mean * (1 + _PRIOR_SLOPE * (b * t - 1)) / (1 + _PRIOR_SLOPE * (size - 1)))
 
 
 class LoadAwareK:

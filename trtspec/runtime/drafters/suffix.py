@@ -204,8 +204,11 @@ class SuffixDrafter(Drafter):
         self.min_score = min_score
         self.costs = costs
         self.rows: list[_Text] = [_Text() for _ in range(max_batch)]
-        self.predicted = np.zeros((3, 1))  # per match class (_match_class) and depth (1..): proposed nodes' scores
-        self.reached = np.zeros((3, 1))  # per match class and depth: rounds whose accepted path reached it
+        # per match class (_match_class) and depth (1..): the proposed nodes' scores, and the rounds whose accepted
+        # path reached that depth (Python lists: a round touches a few entries, each a numpy scalar op otherwise)
+        self.predicted: list[list[float]] = [[0.0] for _ in range(3)]
+        self.reached: list[list[float]] = [[0.0] for _ in range(3)]
+        self._gain: list[list[float]] = [[1.0] for _ in range(3)]  # calibration(depth, class), this round's table
         self._round: list | None = None  # this round's proposals: (row, n, depths, scores, match class)
         self._idle = 0  # rounds since a row last proposed while it had a match
 
@@ -226,13 +229,18 @@ class SuffixDrafter(Drafter):
         # tokens [B, cap] int64, n [B], caps [B] -> Proposal (a tree per row, or chains); no engine calls: the
         # round's own clock counts this host work
         b = n.size
-        if b and int(caps.max()) >= self.predicted.shape[1]:  # a deeper round than any before: room for its depths
-            grow = ((0, 0), (0, int(caps.max()) + 1 - self.predicted.shape[1]))
-            self.predicted, self.reached = np.pad(self.predicted, grow), np.pad(self.reached, grow)
+        if b and int(caps.max()) >= len(self.predicted[0]):  # a deeper round than any before: room for its depths
+            grow = [0.0] * (int(caps.max()) + 1 - len(self.predicted[0]))
+            for c in range(3):
+                self.predicted[c] += grow
+                self.reached[c] += grow
         trees = []
         self._round = []
         # the verify call's seconds at 1.. tokens a row, asked once a round
         call_costs = self._call_costs(b, max(caps.max(), self.tree_nodes if self.tree else 0)) if b else None
+        if call_costs is not None:  # calibration(depth, class) as of this round, for _shape
+            self._gain = [[(got + _CALIBRATION_PRIOR) / (pred + _CALIBRATION_PRIOR) for got, pred in zip(reached, predicted)]
+                          for reached, predicted in zip(self.reached, self.predicted)]
         for r, (length, depth) in enumerate(zip(n.tolist(), caps.tolist())):
             if depth <= 0:
                 trees.append(([], []))
@@ -269,15 +277,19 @@ class SuffixDrafter(Drafter):
         against the summed scores of the nodes proposed there."""
         if not self._round:
             return
-        predicted, reached = self.predicted, self.reached
+        valid = np.asarray(valid).tolist()
         for r, length, depths, scores, c in self._round:
-            got = max(0, int(valid[r]) - length) if r < valid.size else 0
+            got = max(0, valid[r] - length) if r < len(valid) else 0
+            predicted, reached = self.predicted[c], self.reached[c]
             for d, score in zip(depths, scores):
-                predicted[c, d] += score
-            reached[c, 1 : min(got, depths[-1]) + 1] += 1
-        full = predicted > _CALIBRATION_MEMORY
-        predicted[full] *= 0.5
-        reached[full] *= 0.5
+                predicted[d] += score
+            for d in range(1, min(got, depths[-1]) + 1):
+                reached[d] += 1
+        for predicted, reached in zip(self.predicted, self.reached):
+            for d, pred in enumerate(predicted):
+                if pred > _CALIBRATION_MEMORY:
+                    predicted[d] *= 0.5
+                    reached[d] *= 0.5
         self._round = None
 
     # -- proposals ------------------------------------------------------------------------------
@@ -358,10 +370,10 @@ class SuffixDrafter(Drafter):
     def calibration(self, depth: int, match: int) -> float:
         """Accepted per predicted at ``depth`` after a ``match``-token match (1: the scores are taken as they are,
         before anything is measured)."""
-        if depth >= self.predicted.shape[1]:
-            return 1.0
         c = _match_class(match)
-        return float((self.reached[c, depth] + _CALIBRATION_PRIOR) / (self.predicted[c, depth] + _CALIBRATION_PRIOR))
+        if depth >= len(self.predicted[c]):
+            return 1.0
+        return (self.reached[c][depth] + _CALIBRATION_PRIOR) / (self.predicted[c][depth] + _CALIBRATION_PRIOR)
 
     def _call_costs(self, b: int, nodes: int) -> list[float] | None:
         """The verify call's seconds at b rows of 1..nodes + 1 tokens (a tree target verifies even an empty tree in
@@ -378,8 +390,9 @@ class SuffixDrafter(Drafter):
             return len(scores)
         # gains: calibrated scores, never above a shallower candidate's (the candidates come best first)
         best_rate, best, expected, ceiling = 1.0 / call_costs[0], 0, 1.0, 1.0
+        gain = self._gain[_match_class(match)]  # calibration(d, match), as of this round's start
         for i, (score, d) in enumerate(zip(scores, depths)):
-            ceiling = min(ceiling, score * self.calibration(d, match))
+            ceiling = min(ceiling, score * (gain[d] if d < len(gain) else 1.0))
             expected += ceiling
             cost = call_costs[i + 1]
             if expected / cost > best_rate:
