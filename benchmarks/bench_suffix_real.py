@@ -278,8 +278,7 @@ def engines(gguf: Path, hf_dir: Path, want_tree: bool, want_draft: bool, log,
     from trtspec import build, export, quantize
 
     out, missing = {}, {}
-    suffix = "-int8x" if int8_activations else ""
-    plain = ROOT / "engines" / f"smollm2{suffix}"
+    plain = ROOT / "engines" / ("smollm2-int8x" if int8_activations else "smollm2")
     if not (plain / "manifest.json").is_file():  # what `make demo` makes (with --int8-activations: its export, built so)
         log(f"making {plain} (trtspec export {gguf.name} export/smollm2 --max-seq-len 2048 --max-batch 4; build)")
         exported = made(ROOT / "export" / "smollm2",

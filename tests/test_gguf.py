@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -383,6 +384,12 @@ def test_int8_activations_engine_computes_each_row_the_same_in_every_call(tiny, 
     assert steps[0] == int(alone[1, 0].argmax())  # the engine's own loop pads as forward does
     with pytest.raises(ValueError, match="position"):  # the last slot is the pad's
         engine.forward(np.array([[1]]), np.array([[63]]))
+    foreign = tmp_path / "foreign"  # a manifest claiming both, which no build writes, is refused when loaded
+    shutil.copytree(path, foreign)
+    manifest["model"]["tree_verify"] = True
+    (foreign / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="min_call_tokens with tree verification"):
+        load_engine(foreign)
 
     prompts = ["def add(a, b):\n    return a + b\n\nfor i in range(10):\n", "x = [1, 2, 3]\ny = [1, 2, 3]\n"]
     gen = Generator(path, num_threads=2)

@@ -124,6 +124,9 @@ class OnnxRuntimeEngine(CacheRows):
         self.features_size = (model.get("hidden_states") or {}).get("size")
         self.features = None  # the last call's hidden_states output [B, T, features_size] (graphs exported with it)
         self.max_call_tokens = max_call_tokens(model)
+        if self.min_call_tokens > 1 and (self.tree_verify or self.extra_inputs):
+            raise ValueError(f"{self.path}: build.min_call_tokens with tree verification or a head's extra inputs is no "
+                             "build trtspec makes; rebuild the engine with `trtspec build`")
         self._rings = ring_rows(model, self.max_batch)
         self._aliases = list(model["kv_aliases"].items())  # (present, past)
         self.cache = {past: np.zeros((self.max_batch, model["num_kv_heads"], slots, model["head_dim"]), dtype=self.dtype)
@@ -180,7 +183,7 @@ class OnnxRuntimeEngine(CacheRows):
         tree = tree_mask is not None
         t_asked = input_ids.shape[1]
         if t_asked < self.min_call_tokens:
-            input_ids, position_ids, tree_mask, inputs = self._pad(input_ids, position_ids, tree_mask, inputs)
+            input_ids, position_ids = self._pad(input_ids, position_ids)
         b, t = input_ids.shape
         with self._guard:
             g = self._graph_for(b, t, tree)
@@ -207,23 +210,14 @@ class OnnxRuntimeEngine(CacheRows):
                 self._rings.wrote(first_row, position_ids)
         return bd.logits if t == t_asked else bd.logits[:, :t_asked]
 
-    def _pad(self, input_ids, position_ids, tree_mask, inputs):
+    def _pad(self, input_ids, position_ids):
         """A call of fewer than min_call_tokens tokens a row, padded to that many: each row's last token again at
-        the next positions (their cache writes land where the mask hides them until the next call overwrites them),
-        a tree mask whose pads see the tree and themselves, zeros for a head's extra inputs."""
-        b, t = input_ids.shape
-        pad = self.min_call_tokens - t
-        step = np.arange(1, pad + 1)
+        the next positions (their cache writes land where the mask hides them until the next call overwrites them).
+        Such engines verify no trees and take no extra inputs (checked when loaded)."""
+        pad = self.min_call_tokens - input_ids.shape[1]
         input_ids = np.concatenate([input_ids, np.repeat(input_ids[:, -1:], pad, 1)], 1)
-        position_ids = np.concatenate([position_ids, position_ids[:, -1:] + step], 1)
-        if tree_mask is not None:
-            padded = np.tril(np.ones((b, t + pad, t + pad), bool))
-            padded[:, :t, :t] = tree_mask
-            tree_mask = padded
-        if inputs:
-            inputs = {name: None if v is None else np.concatenate(
-                [v, np.zeros((b, pad, *np.shape(v)[2:]), np.asarray(v).dtype)], 1) for name, v in inputs.items()}
-        return input_ids, position_ids, tree_mask, inputs
+        position_ids = np.concatenate([position_ids, position_ids[:, -1:] + np.arange(1, pad + 1)], 1)
+        return input_ids, position_ids
 
     def greedy_steps(self, row: int, token: int, position: int, steps: int, on_token) -> tuple[int, float]:
         """engines.base.greedy_steps for this engine: one row, one token per call, in a loop that only writes

@@ -56,6 +56,10 @@ def _match_class(m: int) -> int:
     return 0 if m < 4 else 1 if m < MAX_MATCH else 2
 
 
+def _calibrated(reached: float, predicted: float) -> float:
+    return (reached + _CALIBRATION_PRIOR) / (predicted + _CALIBRATION_PRIOR)
+
+
 class _Text:
     """Tokens, with the positions after each 2-gram's and 4-gram's occurrences chained latest first:
     ``last[key]`` is the latest, ``prev[p - base]`` the one before p (-1: none). Positions count from the first
@@ -239,8 +243,7 @@ class SuffixDrafter(Drafter):
         # the verify call's seconds at 1.. tokens a row, asked once a round
         call_costs = self._call_costs(b, max(caps.max(), self.tree_nodes if self.tree else 0)) if b else None
         if call_costs is not None:  # calibration(depth, class) as of this round, for _shape
-            self._gain = [[(got + _CALIBRATION_PRIOR) / (pred + _CALIBRATION_PRIOR) for got, pred in zip(reached, predicted)]
-                          for reached, predicted in zip(self.reached, self.predicted)]
+            self._gain = [list(map(_calibrated, reached, predicted)) for reached, predicted in zip(self.reached, self.predicted)]
         for r, (length, depth) in enumerate(zip(n.tolist(), caps.tolist())):
             if depth <= 0:
                 trees.append(([], []))
@@ -373,7 +376,7 @@ class SuffixDrafter(Drafter):
         c = _match_class(match)
         if depth >= len(self.predicted[c]):
             return 1.0
-        return (self.reached[c][depth] + _CALIBRATION_PRIOR) / (self.predicted[c][depth] + _CALIBRATION_PRIOR)
+        return _calibrated(self.reached[c][depth], self.predicted[c][depth])
 
     def _call_costs(self, b: int, nodes: int) -> list[float] | None:
         """The verify call's seconds at b rows of 1..nodes + 1 tokens (a tree target verifies even an empty tree in
