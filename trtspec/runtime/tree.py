@@ -70,15 +70,18 @@ def product_tree(candidates, max_nodes: int) -> tuple[list[int], list[int]]:
 def pack_trees(trees, max_nodes: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """[(tokens, parents) per row] -> drafts [B, K], parents [B, K] (-1 beyond a row's nodes too), counts [B]."""
     b = len(trees)
-    k = max([len(t) for t, _ in trees] + [0])
-    drafts = np.zeros((b, k), np.int64)
-    parents = np.full((b, k), -1, np.int64)
-    counts = np.zeros(b, np.int64)
-    for r, (tokens, par) in enumerate(trees):
-        counts[r] = len(tokens)
-        drafts[r, : len(tokens)] = tokens
-        parents[r, : len(par)] = par
-    return drafts, parents, counts
+    counts = [len(t) for t, _ in trees]
+    k = max(counts, default=0)
+    flat_tokens: list[int] = []
+    flat_parents: list[int] = []
+    if k:  # padded flat lists, one conversion each (a drafter's host work counts in its round)
+        for tokens, par in trees:
+            flat_tokens += tokens
+            flat_tokens += [0] * (k - len(tokens))
+            flat_parents += par
+            flat_parents += [-1] * (k - len(par))
+    return (np.array(flat_tokens, np.int64).reshape(b, k), np.array(flat_parents, np.int64).reshape(b, k),
+            np.array(counts, np.int64))
 
 
 def depth_of(parents) -> int:

@@ -81,52 +81,66 @@ class _Text:
 
     def extend(self, tokens) -> None:
         """Append tokens (ints below SEP, or SEP); the n-grams ending before each get it as their follower."""
-        seq, prev2, prev4, last2, last4 = self.seq, self.prev2, self.prev4, self.last2, self.last4
-        key, p, held = self._key, self.base + len(seq), len(seq)
+        held = len(self.seq)
+        if held < 4:  # (a text's first tokens: fewer n-grams end before them)
+            for i, t in enumerate(tokens):
+                if held >= 4:
+                    return self.extend(tokens[i:])
+                if held >= 2:
+                    k = self._key & _MASK2
+                    self.prev2.append(self.last2.get(k, -1))
+                    self.last2[k] = self.base + held
+                else:
+                    self.prev2.append(-1)
+                self.prev4.append(-1)
+                self.seq.append(t)
+                self._key = ((self._key << _BITS) | t) & _MASK4
+                held += 1
+            return
+        append, prev2, prev4, last2, last4 = self.seq.append, self.prev2.append, self.prev4.append, self.last2, self.last4
+        key, p = self._key, self.base + held
         for t in tokens:
-            if held >= 4:
-                k = key & _MASK2
-                prev2.append(last2.get(k, -1))
-                last2[k] = p
-                prev4.append(last4.get(key, -1))
-                last4[key] = p
-            elif held >= 2:
-                k = key & _MASK2
-                prev2.append(last2.get(k, -1))
-                last2[k] = p
-                prev4.append(-1)
-            else:
-                prev2.append(-1)
-                prev4.append(-1)
-            seq.append(t)
+            k = key & _MASK2
+            prev2(last2.get(k, -1))
+            last2[k] = p
+            prev4(last4.get(key, -1))
+            last4[key] = p
+            append(t)
             key = ((key << _BITS) | t) & _MASK4
             p += 1
-            held += 1
         self._key = key
 
-    def find(self, tail: list[int]) -> tuple[int, list[int]]:
+    def find(self, tail, key: int | None = None) -> tuple[int, list[int]]:
         """(the longest match, the positions after its latest occurrences, latest first) of a suffix of ``tail``
-        (the query's last MAX_MATCH tokens or fewer), MIN_MATCH..MAX_MATCH tokens long; (0, []) if none."""
+        (an array or list of the query's last tokens: only MAX_MATCH of them are read), MIN_MATCH..MAX_MATCH tokens
+        long; (0, []) if none. ``key``: the tail's last 4 ids side by side, where the caller has them."""
         n = len(tail)
         if n >= 4:
-            p = self.last4.get((((((tail[-4] << _BITS) | tail[-3]) << _BITS) | tail[-2]) << _BITS) | tail[-1], -1)
+            if key is None:
+                key = (((((tail[-4] << _BITS) | tail[-3]) << _BITS) | tail[-2]) << _BITS) | tail[-1]
+            p = self.last4.get(key, -1)
             if p >= self.base:
                 return self._walk(p, tail, 4, MAX_MATCH, self.prev4)
         if n >= 2:
-            p = self.last2.get((tail[-2] << _BITS) | tail[-1], -1)
+            p = self.last2.get(key & _MASK2 if key is not None else (tail[-2] << _BITS) | tail[-1], -1)
             if p >= self.base:
                 return self._walk(p, tail, 2, 3, self.prev2)  # (a match of 4 or more has a 4-gram)
         return 0, []
 
-    def _walk(self, p: int, tail: list[int], g: int, longest: int, prev) -> tuple[int, list[int]]:
+    def _walk(self, p: int, tail, g: int, longest: int, prev) -> tuple[int, list[int]]:
         # the occurrences chained from p, latest first, each match extended backwards from its keyed g tokens
         seq, base, n = self.seq, self.base, len(tail)
+        full = min(longest, n)
+        window = tail[n - full :]  # (an occurrence matching it whole is told in one comparison)
         best, found, looked = 0, [], 0
         while p >= base and looked < MAX_OCCURRENCES:
             looked += 1
-            m, i, j = g, p - g - 1 - base, n - g - 1
-            while m < longest and i >= 0 and j >= 0 and seq[i] == tail[j]:
-                m, i, j = m + 1, i - 1, j - 1
+            if p - base >= full and seq[p - base - full : p - base] == window:
+                m = full
+            else:
+                m, i, j = g, p - g - 1 - base, n - g - 1
+                while m < longest and i >= 0 and j >= 0 and seq[i] == tail[j]:
+                    m, i, j = m + 1, i - 1, j - 1
             if m > best:
                 best, found = m, [p]
             elif m == best:
@@ -134,8 +148,8 @@ class _Text:
             p = prev[p - base]
         return best, found
 
-    def continuation(self, p: int, depth: int) -> list[int]:
-        out = self.seq[p - self.base : p - self.base + depth].tolist()
+    def continuation(self, p: int, depth: int) -> tuple[int, ...]:
+        out = tuple(self.seq[p - self.base : p - self.base + depth])
         if SEP in out:
             out = out[: out.index(SEP)]
         return out
@@ -179,7 +193,7 @@ class SuffixCache:
             if len(chains) > 2 * len(text.seq) + 1024:
                 setattr(text, name, {key: p for key, p in chains.items() if p >= text.base})
 
-    def find(self, tail: list[int], depth: int) -> tuple[int, list[list[int]]]:
+    def find(self, tail: list[int], depth: int) -> tuple[int, list[tuple[int, ...]]]:
         """(match length, continuations of up to ``depth`` tokens, latest first) of ``tail``'s longest suffix
         in the stored outputs (0, [] if none)."""
         with self._lock:
@@ -212,9 +226,11 @@ class SuffixDrafter(Drafter):
         # path reached that depth (Python lists: a round touches a few entries, each a numpy scalar op otherwise)
         self.predicted: list[list[float]] = [[0.0] for _ in range(3)]
         self.reached: list[list[float]] = [[0.0] for _ in range(3)]
-        self._gain: list[list[float]] = [[1.0] for _ in range(3)]  # calibration(depth, class), this round's table
+        self._gain: list[list[float]] = [[1.0] for _ in range(3)]  # calibration(depth, class), kept by accepted()
         self._round: list | None = None  # this round's proposals: (row, n, depths, scores, match class)
         self._idle = 0  # rounds since a row last proposed while it had a match
+        self._b = 0  # this round's rows (for the call costs _shape asks for)
+        self._chain, self._depths = [-1], [1]  # a chain's parents and depths (-1 0 1 .., 1 2 3 ..), as deep as asked
 
     # -- the Drafter protocol ---------------------------------------------------------------
 
@@ -231,47 +247,62 @@ class SuffixDrafter(Drafter):
 
     def propose(self, tokens, n, caps, samplers, capacity):
         # tokens [B, cap] int64, n [B], caps [B] -> Proposal (a tree per row, or chains); no engine calls: the
-        # round's own clock counts this host work
+        # round's own clock counts this host work, so the per-row work below keeps to plain Python lists and ints
         b = n.size
-        if b and int(caps.max()) >= len(self.predicted[0]):  # a deeper round than any before: room for its depths
-            grow = [0.0] * (int(caps.max()) + 1 - len(self.predicted[0]))
+        lengths, limits = n.tolist(), caps.tolist()
+        deepest = max(limits, default=0)
+        if deepest >= len(self.predicted[0]):  # a deeper round than any before: room for its depths
+            grow = [0.0] * (deepest + 1 - len(self.predicted[0]))
             for c in range(3):
                 self.predicted[c] += grow
                 self.reached[c] += grow
+                self._gain[c] += [1.0] * len(grow)  # (_calibrated(0, 0))
+            self._chain, self._depths = list(range(-1, deepest)), list(range(1, deepest + 2))
+        # the verify call's seconds at 1 token a row; _shape asks for more tokens as it needs them, once a round
+        call_costs = self._call_costs(b) if b else None
+        rows, tree = self.rows, self.tree
         trees = []
         self._round = []
-        # the verify call's seconds at 1.. tokens a row, asked once a round
-        call_costs = self._call_costs(b, max(caps.max(), self.tree_nodes if self.tree else 0)) if b else None
-        if call_costs is not None:  # calibration(depth, class) as of this round, for _shape
-            self._gain = [list(map(_calibrated, reached, predicted)) for reached, predicted in zip(self.reached, self.predicted)]
-        for r, (length, depth) in enumerate(zip(n.tolist(), caps.tolist())):
+        for r in range(b):
+            depth = limits[r]
             if depth <= 0:
                 trees.append(([], []))
                 continue
-            text = self.rows[r]
-            if len(text) < length:
-                text.extend(tokens[r, len(text) : length].tolist())
+            text, length = rows[r], lengths[r]
+            held = len(text.seq)
+            if held < length:
+                text.extend(tokens[r, held:length].tolist())
             processor = samplers[r].processor if samplers is not None else None
             grammar = processor if processor is not None and processor.constraint is not None else None
-            nodes, parents, scores, depths, match = self._candidates(text, depth, grammar)
+            match, found = self._continuations(text, depth)
+            if not found:
+                trees.append(([], []))
+                continue
+            nodes, parents, scores, depths = self._candidates(found, depth, grammar)
+            if not nodes:
+                trees.append(([], []))
+                continue
             keep = self._shape(call_costs, scores, depths, match)
             if keep < len(nodes):
                 nodes, parents, scores, depths = nodes[:keep], parents[:keep], scores[:keep], depths[:keep]
             if nodes:
-                if self.tree:  # parents before children
+                if tree and depths[-1] != len(depths):  # by depth (a path 1..L is in order already)
                     order = sorted(range(len(nodes)), key=depths.__getitem__)
                     at = {j: i for i, j in enumerate(order)}
                     nodes = [nodes[j] for j in order]
                     parents = [at[parents[j]] if parents[j] >= 0 else -1 for j in order]
                     scores, depths = [scores[j] for j in order], [depths[j] for j in order]
-                self._round.append((r, length, depths, scores, _match_class(match)))
+                self._round.append((r, length, depths, scores, 0 if match < 4 else 1 if match < MAX_MATCH else 2))
             trees.append((nodes, parents))
-        if not self.tree:  # chains: the tokens alone, in one conversion of padded lists
+        if not tree:  # chains: the tokens alone, in one conversion of a padded flat list
             counts = [len(t) for t, _ in trees]
             k = max(counts, default=0)
-            drafts = (np.array([[*t, *[0] * (k - len(t))] for t, _ in trees], np.int64) if k
-                      else np.zeros((b, 0), np.int64))
-            return Proposal(drafts, np.array(counts, np.int64))
+            flat: list[int] = []
+            if k:
+                for t, _ in trees:
+                    flat += t
+                    flat += [0] * (k - len(t))
+            return Proposal(np.array(flat, np.int64).reshape(b, k), np.array(counts, np.int64))
         drafts, parents, counts = pack_trees(trees, max([len(t) for t, _ in trees] + [0]))
         return Proposal(drafts, counts, None, [], parents, f"suffix{self.tree_nodes}")
 
@@ -280,65 +311,78 @@ class SuffixDrafter(Drafter):
         against the summed scores of the nodes proposed there."""
         if not self._round:
             return
-        valid = np.asarray(valid).tolist()
+        valid = valid.tolist() if isinstance(valid, np.ndarray) else list(valid)
+        top = [0, 0, 0]  # per match class, the deepest node proposed (depths 1..it were all proposed at)
         for r, length, depths, scores, c in self._round:
-            got = max(0, valid[r] - length) if r < len(valid) else 0
-            predicted, reached = self.predicted[c], self.reached[c]
+            predicted = self.predicted[c]
             for d, score in zip(depths, scores):
                 predicted[d] += score
-            for d in range(1, min(got, depths[-1]) + 1):
-                reached[d] += 1
-        for predicted, reached in zip(self.predicted, self.reached):
-            for d, pred in enumerate(predicted):
-                if pred > _CALIBRATION_MEMORY:
-                    predicted[d] *= 0.5
-                    reached[d] *= 0.5
+            deepest = depths[-1]
+            got = valid[r] - length if r < len(valid) else 0
+            if got > 0:
+                reached = self.reached[c]
+                for d in range(1, (got if got < deepest else deepest) + 1):
+                    reached[d] += 1
+            if deepest > top[c]:
+                top[c] = deepest
+        for c, deepest in enumerate(top):  # (only a depth proposed at changed, or grew past the memory)
+            if deepest:
+                predicted, reached, gain = self.predicted[c], self.reached[c], self._gain[c]
+                for d in range(1, deepest + 1):
+                    if predicted[d] > _CALIBRATION_MEMORY:
+                        predicted[d] *= 0.5
+                        reached[d] *= 0.5
+                    gain[d] = (reached[d] + _CALIBRATION_PRIOR) / (predicted[d] + _CALIBRATION_PRIOR)  # _calibrated
         self._round = None
 
     # -- proposals ------------------------------------------------------------------------------
 
-    def _continuations(self, text: _Text, depth: int) -> tuple[int, list[list[int]]]:
+    def _continuations(self, text: _Text, depth: int) -> tuple[int, list[tuple[int, ...]]]:
         """(the longest match's length, the continuations after its occurrences: the row's own first)."""
-        tail = text.seq[-MAX_MATCH:].tolist()
-        m, found = text.find(tail)
         seq, base = text.seq, text.base
-        own = [seq[p - base : p - base + depth].tolist() for p in found]
-        if m == MAX_MATCH or not self.cache.tokens:  # (the cache could only tie)
-            return m, own[:MAX_OCCURRENCES]
-        m_cache, shared = self.cache.find(tail, depth)
+        m, found = text.find(seq, text._key)  # (its own tail: the end of its tokens)
+        if not self.cache.tokens:
+            return m, [tuple(seq[p - base : p - base + depth]) for p in found] if found else found
+        own = [tuple(seq[p - base : p - base + depth]) for p in found]
+        if m == MAX_MATCH:  # (the cache could only tie)
+            return m, own
+        m_cache, shared = self.cache.find(seq[-MAX_MATCH:], depth)
         if m_cache > m:
             return m_cache, shared[:MAX_OCCURRENCES]
         if m_cache == m:
             own += shared
         return m, own[:MAX_OCCURRENCES]
 
-    def _candidates(self, text: _Text, depth: int, grammar) -> tuple[list, list, list, list, int]:
-        """(tokens, parents, scores, depths, the match's length) of this row's candidate nodes, best first (a parent before its
-        children): the trie of continuations, or its likeliest path (chains), nodes through fewer than min_score of
-        the continuations out. A score is the share of continuations through the node, counting one more that
-        goes elsewhere (a lone occurrence is a guess, not a certainty: 1/2; 16 agreeing: 16/17)."""
-        m, found = self._continuations(text, depth)
-        if not found:
-            return [], [], [], [], m
+    def _candidates(self, found: list[tuple[int, ...]], depth: int, grammar) -> tuple[list, list, list, list]:
+        """(tokens, parents, scores, depths) of a row's candidate nodes from the continuations ``found`` (one or more),
+        best first (a parent before its children): the trie of continuations, or its likeliest path (chains), nodes
+        through fewer than min_score of the continuations out. A score is the share of continuations through the
+        node, counting one more that goes elsewhere (a lone occurrence is a guess, not a certainty: 1/2; 16
+        agreeing: 16/17)."""
         total = len(found)
+        floor = self.min_score * total
+        if grammar is None and found.count(found[0]) == total:  # one continuation (repeated text): see below
+            cont = found[0]
+            if total < floor or not cont:
+                return [], [], [], []
+            score = total / (total + 1)
+            return list(cont), self._chain[: len(cont)], [score] * len(cont), self._depths[: len(cont)]
         # repetitive text repeats its continuations: count each distinct one once (latest first, for ties)
         distinct: dict[tuple, int] = {}
         for cont in found:
-            key = tuple(cont)
-            distinct[key] = distinct.get(key, 0) + 1
+            distinct[cont] = distinct.get(cont, 0) + 1
         if grammar is not None:  # cut each at the first token the request's grammar forbids
             cut: dict[tuple, int] = {}
             for cont, w in distinct.items():
                 key = cont[: grammar.allowed_prefix(list(cont))] if cont else cont
                 cut[key] = cut.get(key, 0) + w
             distinct = cut
-        floor = self.min_score * total
         if len(distinct) == 1:  # one continuation (repeated text): a chain, each node as likely as the next
             (cont, w), = distinct.items()
             if w < floor or not cont:
-                return [], [], [], [], m
+                return [], [], [], []
             score = w / (total + 1)
-            return list(cont), list(range(-1, len(cont) - 1)), [score] * len(cont), list(range(1, len(cont) + 1)), m
+            return list(cont), self._chain[: len(cont)], [score] * len(cont), self._depths[: len(cont)]
         if not self.tree:  # a chain: the likeliest next token at each step, among the continuations still agreeing
             chain: list[int] = []
             scores: list[float] = []
@@ -357,18 +401,41 @@ class SuffixDrafter(Drafter):
                 chain.append(token)
                 scores.append(votes[token] / (total + 1))
                 live = [(cont, w) for cont, w in live if len(cont) > j and cont[j] == token]
-            return chain, list(range(-1, len(chain) - 1)), scores, list(range(1, len(chain) + 1)), m
-        counts: dict[tuple, int] = {}  # trie node (its path) -> continuations through it
+                if len(live) == 1:  # one continuation left: the rest of it, each node as likely as this one
+                    rest = live[0][0][j + 1 : depth]
+                    chain += rest
+                    scores += [scores[-1]] * len(rest)
+                    break
+            return chain, self._chain[: len(chain)], scores, self._depths[: len(chain)]
+        # the trie: node i is tokens[i] after node parent[i] (-1: the row's last token), at depth[i], with count[i]
+        # continuations through it
+        tokens: list[int] = []
+        parent: list[int] = []
+        depth_of: list[int] = []
+        count: list[int] = []
+        child: dict[int, int] = {}  # (parent + 1) << _BITS | token -> node
         for cont, w in distinct.items():
-            for j in range(1, len(cont) + 1):
-                path = cont[:j]
-                counts[path] = counts.get(path, 0) + w
-        # the best nodes by score; ties go to the shallower, so a parent always comes before its children
-        ranked = sorted((p for p, c in counts.items() if c >= floor), key=lambda p: (-counts[p], len(p)))
-        ranked = ranked[: self.tree_nodes]
-        index = {path: i for i, path in enumerate(ranked)}
-        return ([p[-1] for p in ranked], [index[p[:-1]] if len(p) > 1 else -1 for p in ranked],
-                [counts[p] / (total + 1) for p in ranked], [len(p) for p in ranked], m)
+            at = -1
+            for d, t in enumerate(cont, 1):
+                key = (at + 1) << _BITS | t
+                i = child.get(key)
+                if i is None:
+                    i = child[key] = len(tokens)
+                    tokens.append(t)
+                    parent.append(at)
+                    depth_of.append(d)
+                    count.append(w)
+                else:
+                    count[i] += w
+                at = i
+        # the best nodes by count, ties to the shallower (so a parent always comes before its children), then to the
+        # first made; nodes under the floor out
+        rank = [d - c * 4096 for c, d in zip(count, depth_of)]  # (depths are below 4096)
+        ranked = [i for i in sorted(range(len(tokens)), key=rank.__getitem__) if count[i] >= floor][: self.tree_nodes]
+        index = {i: j for j, i in enumerate(ranked)}
+        index[-1] = -1
+        return ([tokens[i] for i in ranked], [index[parent[i]] for i in ranked],
+                [count[i] / (total + 1) for i in ranked], [depth_of[i] for i in ranked])
 
     def calibration(self, depth: int, match: int) -> float:
         """Accepted per predicted at ``depth`` after a ``match``-token match (1: the scores are taken as they are,
@@ -378,13 +445,15 @@ class SuffixDrafter(Drafter):
             return 1.0
         return _calibrated(self.reached[c][depth], self.predicted[c][depth])
 
-    def _call_costs(self, b: int, nodes: int) -> list[float] | None:
-        """The verify call's seconds at b rows of 1..nodes + 1 tokens (a tree target verifies even an empty tree in
-        its tree call), or None while some are unknown (no costs, or nothing measured yet)."""
+    def _call_costs(self, b: int) -> list[float] | None:
+        """[the verify call's seconds at b rows of 1 token] (a tree target verifies even an empty tree in its tree
+        call), which _shape lengthens to more tokens as it needs them; None before anything was measured (or no
+        costs)."""
         if self.costs is None:
             return None
-        table = [self.costs(b, t, self.tree) for t in range(1, int(nodes) + 2)]
-        return None if any(c is None for c in table) else table
+        self._b = b
+        one = self.costs(b, 1, self.tree)
+        return None if one is None else [one]
 
     def _shape(self, call_costs: list[float] | None, scores: list[float], depths: list[int], match: int) -> int:
         """How many of the best-first candidates to propose: all (no call costs known), or the count with the most
@@ -393,13 +462,17 @@ class SuffixDrafter(Drafter):
             return len(scores)
         # gains: calibrated scores, never above a shallower candidate's (the candidates come best first)
         best_rate, best, expected, ceiling = 1.0 / call_costs[0], 0, 1.0, 1.0
-        gain = self._gain[_match_class(match)]  # calibration(d, match), as of this round's start
-        for i, (score, d) in enumerate(zip(scores, depths)):
-            ceiling = min(ceiling, score * (gain[d] if d < len(gain) else 1.0))
+        gain = self._gain[_match_class(match)]  # calibration(d, match) (propose grew it to every depth asked for)
+        for i, (score, d) in enumerate(zip(scores, depths), 1):
+            score *= gain[d]
+            if score < ceiling:
+                ceiling = score
             expected += ceiling
-            cost = call_costs[i + 1]
-            if expected / cost > best_rate:
-                best_rate, best = expected / cost, i + 1
+            if i == len(call_costs):  # (the costs' estimates are known at every size once one is)
+                call_costs.append(self.costs(self._b, i + 1, self.tree))
+            rate = expected / call_costs[i]
+            if rate > best_rate:
+                best_rate, best = rate, i
         if best == 0:
             self._idle += 1
             if self._idle >= _PROBE_EVERY:  # keep measuring: the calibration learns only from proposed nodes
