@@ -471,8 +471,9 @@ class Trtspec(System):
     def open_round(self):
         from trtspec import Generator
 
+        # one user's requests in turn: a session of one row (max_batch 1), as `trtspec generate` runs one prompt
         self.gen = Generator(self.target, self.draft_engine, drafter=self.drafter, num_draft_tokens=self.k,
-                             k_policy=self.k_policy, prefix_cache_mb=0, prefill_chunk=PREFILL_CHUNK)
+                             k_policy=self.k_policy, prefix_cache_mb=0, prefill_chunk=PREFILL_CHUNK, max_batch=1)
 
     def run(self, prompt, max_new):
         t0 = time.perf_counter()

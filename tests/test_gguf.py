@@ -373,12 +373,13 @@ def test_int8_activations_engine_computes_each_row_the_same_in_every_call(tiny, 
 
     path = build(tiny["export"], tmp_path / "int8", int8_activations=True)
     manifest = json.loads((path / "manifest.json").read_text())
-    assert manifest["build"]["min_call_tokens"] == 2 and "decode_graph" not in manifest["build"]
+    assert manifest["build"]["min_call_tokens"] == 2 and manifest["build"]["decode_graph"]["graph"] == "decode.onnx"
     engine = load_engine(path, num_threads=2)
     assert engine.max_seq_len == 63  # (the last slot holds a pad)
     ids = np.random.default_rng(0).integers(0, manifest["model"]["vocab_size"], size=(2, 40))
     alone, together = _rows_alone_and_together(engine, ids, 35, chunks=(35, 6))
     assert np.array_equal(alone, together)
+    full_graph = alone
     steps = []
     engine.greedy_steps(1, int(ids[1, 35]), 35, 4, lambda token: steps.append(token) or True)
     assert steps[0] == int(alone[1, 0].argmax())  # the engine's own loop pads as forward does
@@ -401,17 +402,41 @@ def test_int8_activations_engine_computes_each_row_the_same_in_every_call(tiny, 
         assert gen.generate(prompts[0], max_new_tokens=24).token_ids == want[0], drafter
         gen.close()
 
+    # planned for one row a call, every call runs the decode graph (GroupQueryAttention): a row's logits are again
+    # the same in every call, whatever its tokens per call or prompt chunks
+    engine.plan_rows(1)
+    alone, together = _rows_alone_and_together(engine, ids[:1], 35, chunks=(35,))
+    assert np.array_equal(alone, together)
+    assert not np.array_equal(alone[0], full_graph[0])  # (the other kernel: not a graph left unused)
+    assert np.array_equal(_rows_alone_and_together(engine, ids[:1], 35, chunks=(6,))[0], alone)
+    with pytest.raises(ValueError, match="planned for one row"):
+        engine.forward(ids[:, :2], np.tile(np.arange(2), (2, 1)))
+    engine.plan_rows(2)  # and back: the built graph
+    assert np.array_equal(_rows_alone_and_together(engine, ids, 35, chunks=(35, 6))[0], full_graph)
+    gen = Generator(path, num_threads=2, max_batch=1)
+    want = [gen.generate(p, max_new_tokens=24).token_ids for p in prompts]
+    gen.close()
+    for drafter in ("prompt_lookup", "suffix"):
+        gen = Generator(path, drafter=drafter, num_threads=2, max_batch=1)
+        assert [r.token_ids for r in gen.generate(prompts, max_new_tokens=24)] == want, drafter
+        gen.close()
+
 
 @needs_smollm2
 def test_smollm2_int8_activations_rows_are_bit_identical_across_calls(smollm2, tmp_path):
     """On SmolLM2, one-token calls without the pad differed from a 5-token call's rows by 1.1-1.8 in the logits
-    (onnxruntime's one-row GEMM kernel, then the int8 roundings); with it they are equal, bit for bit."""
+    (onnxruntime's one-row GEMM kernel, then the int8 roundings); with it they are equal, bit for bit. So on the
+    decode graph a session of one row a call runs (its attention reads the cache in place), with other chunks."""
     from trtspec.engines import load_engine
 
     engine = load_engine(build(smollm2["export"], tmp_path / "int8", int8_activations=True), num_threads=2)
     ids = np.random.default_rng(1).integers(0, 49152, size=(1, 155))
     alone, together = _rows_alone_and_together(engine, ids, 150, chunks=(64,))
     assert np.array_equal(alone, together)
+    engine.plan_rows(1)
+    alone, together = _rows_alone_and_together(engine, ids, 150, chunks=(64,))
+    assert np.array_equal(alone, together)
+    assert np.array_equal(_rows_alone_and_together(engine, ids, 150, chunks=(7,))[1], together)
 
 
 def test_an_architecture_transformers_cannot_read_from_gguf_is_refused_clearly(tmp_path):

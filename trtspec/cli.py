@@ -248,6 +248,7 @@ def _add_generate(sub):
             num_threads=args.threads,
             tree_width=args.tree_width,
             tree_nodes=args.tree_nodes,
+            max_batch=1 if len(args.prompt) == 1 else None,  # (one prompt: a session of one row)
         )
         options = dict(
             max_new_tokens=args.max_new_tokens,

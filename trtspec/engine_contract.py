@@ -13,10 +13,11 @@ MATMUL_NBITS_ACCURACY_LEVEL = 4
 # --int8-activations`) runs every call with at least this many tokens a row, on one graph. onnxruntime's CPU GEMM
 # (MLAS) takes a kernel of its own for a one-row product (M = 1), which sums in another order; its 1e-7 differences
 # then flip an int8 rounding of the activations and grow to logit differences of 1-2 over SmolLM2's 30 layers. From
-# 2 tokens up, each row's logits were bit-identical whatever the call's rows, tokens and live length (the built graph;
-# the GroupQueryAttention decode graph is bit-identical only to itself): a decode call carries one pad token
-# (the last token again, one position on, its cache write hidden by the mask and overwritten by the next), so
-# speculation reproduces the engine's own greedy output exactly, at any batch size.
+# 2 tokens up, each row's logits were bit-identical whatever the call's rows, tokens and live length: a decode call
+# carries one pad token (the last token again, one position on, its cache write hidden by the mask and overwritten
+# by the next), so speculation reproduces the engine's own greedy output exactly, at any batch size. The one graph
+# is the session's: the GroupQueryAttention decode graph (bit-identical only to itself, across tokens and chunking)
+# for a session of one row a call, the built graph for any other (engines/onnxruntime.py: plan_rows).
 EXACT_MIN_CALL_TOKENS = 2
 
 

@@ -158,8 +158,14 @@ def build_onnxruntime(export_dir: Path, export_manifest: dict, out_dir: Path, *,
             shutil.rmtree(staged)
             if int8_activations:  # one graph for every call, each of 2 tokens or more (engine_contract.py)
                 build["min_call_tokens"] = EXACT_MIN_CALL_TOKENS
-                log.info("int8 activations: every call runs the built graph with %d tokens a row or more, so each row's "
-                         "logits are the same in every call (no decode graph)", EXACT_MIN_CALL_TOKENS)
+                log.info("int8 activations: every call runs one graph with %d tokens a row or more, so each row's "
+                         "logits are the same in every call", EXACT_MIN_CALL_TOKENS)
+                if fusion:  # the graph of sessions of one row a call (engines/onnxruntime.py: plan_rows)
+                    made = _decode_graph(tmp, graph, export_manifest["model"])
+                    if made["graph"]:
+                        made["used_for"] = ("every call of a session planned for one row a call (a Scheduler of "
+                                            "max_batch 1); other sessions run the built graph for every call")
+                    build["decode_graph"] = made
             elif fusion:
                 build["decode_graph"] = _decode_graph(tmp, graph, export_manifest["model"])
         if quantization is not None:

@@ -98,6 +98,11 @@ class OnnxRuntimeEngine(CacheRows):
     An engine built with fusion may hold a second graph, ``decode.onnx`` (builder/ort_decode.py), that runs
     every call of one row or one token; the built graph then runs only the others (several rows x several
     tokens), loaded at the first such call. Both read and write the same cache buffers.
+
+    An exact int8 build (``build.min_call_tokens`` > 1) runs one graph for every call instead, so that a row's
+    logits are the same in every call: the built graph, or, once ``plan_rows(1)`` says every call will carry
+    one row (a Scheduler of max_batch 1), its decode graph, whose attention reads the cache in place where the
+    built graph copies each layer's live keys and values first (17% of a call at 300 tokens).
     """
 
     backend = "onnxruntime"
@@ -115,8 +120,13 @@ class OnnxRuntimeEngine(CacheRows):
         self.dtype = _NP_DTYPES[model["dtype"]]
         self._options = session_options(num_threads, fuse_qdq=fuses_qdq(manifest))
         decode = (manifest.get("build", {}).get("decode_graph") or {}).get("graph")
-        self._decode = _Graph(self.path / decode, self._options) if decode else None
-        self._full = None if self._decode else _Graph(self.path / manifest["graph"], self._options)
+        self._one_row = False  # an exact build planned for one row a call (plan_rows): its decode graph for every call
+        if self.min_call_tokens > 1:  # one graph loaded at a time: the built one until a plan says one row
+            self._decode_path = self.path / decode if decode else None
+            self._decode, self._full = None, _Graph(self.path / manifest["graph"], self._options)
+        else:
+            self._decode = _Graph(self.path / decode, self._options) if decode else None
+            self._full = None if self._decode else _Graph(self.path / manifest["graph"], self._options)
         self._logits_dtype = self.dtype
         self.logits_size = model.get("logits_size", self.vocab_size)  # a draft head's own vocabulary
         self.extra_inputs = dict(model.get("extra_inputs") or {})  # name -> last dim: a head's float inputs [B, T, n]
@@ -137,9 +147,32 @@ class OnnxRuntimeEngine(CacheRows):
     @property
     def session(self):
         """The session that runs a one-token call (the decode graph where the engine has one)."""
-        return (self._decode or self._full).session
+        return self._graph_for(1, self.min_call_tokens).session
+
+    def plan_rows(self, rows: int) -> None:
+        """The most rows each call will carry from now on (a Scheduler's max_batch), before its first call. Only an
+        exact int8 build with a decode graph takes it: one row, that graph for every call (a call of more rows
+        is then refused); more, the built graph for every call. Either way each row's logits are the same in every
+        call of the plan; between plans they differ (another attention kernel), so a plan starts with new rows."""
+        if not isinstance(rows, int) or isinstance(rows, bool) or not 1 <= rows <= self.max_batch:
+            raise ValueError(f"rows must be an integer in [1, {self.max_batch}] (the engine's rows), got {rows!r}")
+        if self.min_call_tokens <= 1:
+            return
+        with self._guard:
+            self._one_row = rows == 1 and self._decode_path is not None
+            if self._one_row and self._decode is None:
+                self._decode, self._full = _Graph(self._decode_path, self._options), None
+            elif not self._one_row and self._full is None:
+                self._full, self._decode = _Graph(self.path / self.manifest["graph"], self._options), None
 
     def _graph_for(self, b: int, t: int, tree: bool = False) -> _Graph:
+        if self.min_call_tokens > 1:  # an exact build: the plan's one graph for every call
+            if not self._one_row:
+                return self._full
+            if b > 1:
+                raise ValueError(f"{self.path}: a call of {b} rows on an engine planned for one row a call "
+                                 "(plan_rows(1), a Scheduler of max_batch 1); plan for more rows first")
+            return self._decode
         if self._decode is not None and (b == 1 or t == 1) and not tree:
             return self._decode
         if self._full is None:

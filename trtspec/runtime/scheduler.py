@@ -158,6 +158,10 @@ class Scheduler:
         if not isinstance(max_batch, int) or not 1 <= max_batch <= engine_batch:
             raise ValueError(f"max_batch must be an integer in [1, {engine_batch}] (the engines' rows), got {max_batch!r}")
         self.max_batch = max_batch
+        for engine in engines:  # (an exact int8 build picks its one graph for the session from it: engines/onnxruntime.py)
+            plan = getattr(engine, "plan_rows", None)
+            if plan is not None:
+                plan(max_batch)
         self.drafter: Drafter
         self.tree_width, self.tree_nodes = self._check_tree(tree_width, tree_nodes, drafter)
         # a head drafter's draft is its head: an engine (eagle3) or the heads' directory (medusa)
