@@ -102,7 +102,8 @@ class OnnxRuntimeEngine(CacheRows):
     An exact int8 build (``build.min_call_tokens`` > 1) runs one graph for every call instead, so that a row's
     logits are the same in every call: the built graph, or, once ``plan_rows(1)`` says every call will carry
     one row (a Scheduler of max_batch 1), its decode graph, whose attention reads the cache in place where the
-    built graph copies each layer's live keys and values first (17% of a call at 300 tokens).
+    built graph copies each layer's live keys and values first (a decode call 7.7-7.8 against 8.5-9.0 ms at 100
+    tokens of context, about the same at 900: benchmarks/bench_int8_exact.py).
     """
 
     backend = "onnxruntime"
