@@ -260,7 +260,7 @@ class SuffixDrafter(Drafter):
             self._chain, self._depths = list(range(-1, deepest)), list(range(1, deepest + 2))
         # the verify call's seconds at 1 token a row; _shape asks for more tokens as it needs them, once a round
         call_costs = self._call_costs(b) if b else None
-        rows, tree = self.rows, self.tree
+        rows, tree, cache = self.rows, self.tree, self.cache
         trees = []
         self._round = []
         for r in range(b):
@@ -272,12 +272,14 @@ class SuffixDrafter(Drafter):
             held = len(text.seq)
             if held < length:
                 text.extend(tokens[r, held:length].tolist())
-            processor = samplers[r].processor if samplers is not None else None
-            grammar = processor if processor is not None and processor.constraint is not None else None
-            match, found = self._continuations(text, depth)
+            match, found = text.find(text.seq, text._key)  # (its own tail: the end of its tokens)
+            if found or cache.tokens:
+                match, found = self._continuations(text, depth, match, found)
             if not found:
                 trees.append(([], []))
                 continue
+            processor = samplers[r].processor if samplers is not None else None
+            grammar = processor if processor is not None and processor.constraint is not None else None
             nodes, parents, scores, depths = self._candidates(found, depth, grammar)
             if not nodes:
                 trees.append(([], []))
@@ -337,10 +339,10 @@ class SuffixDrafter(Drafter):
 
     # -- proposals ------------------------------------------------------------------------------
 
-    def _continuations(self, text: _Text, depth: int) -> tuple[int, list[tuple[int, ...]]]:
-        """(the longest match's length, the continuations after its occurrences: the row's own first)."""
+    def _continuations(self, text: _Text, depth: int, m: int, found: list[int]) -> tuple[int, list[tuple[int, ...]]]:
+        """(the longest match's length, the continuations after its occurrences: the row's own first), from the
+        row's own match (``m``, its occurrences ``found``) and the shared cache's."""
         seq, base = text.seq, text.base
-        m, found = text.find(seq, text._key)  # (its own tail: the end of its tokens)
         if not self.cache.tokens:
             return m, [tuple(seq[p - base : p - base + depth]) for p in found] if found else found
         own = [tuple(seq[p - base : p - base + depth]) for p in found]
