@@ -30,7 +30,8 @@ QUANTIZED_KERNELS = ("MatMulNBits", "MatMulIntegerToFloat", "QLinearMatMul", "De
 DECODE_GRAPH = "decode.onnx"
 
 
-def _decode_graph(tmp: Path, graph: str, model: dict) -> dict:
+def _decode_graph(tmp: Path, graph: str, model: dict,
+                  used_for: str = "calls of one row or one token; the others run the built graph") -> dict:
     """decode.onnx beside the built graph (see ort_decode.py), or why there is none."""
     import onnx_ir as ir
 
@@ -46,8 +47,7 @@ def _decode_graph(tmp: Path, graph: str, model: dict) -> dict:
     ir.save(decode, tmp / DECODE_GRAPH)
     log.info("decode graph: GroupQueryAttention in %d layers%s", layers,
              ", the INT4 embedding lookup as GatherBlockQuantized" if lookups else "")
-    made = {"graph": DECODE_GRAPH, "group_query_attention": layers,
-            "used_for": "calls of one row or one token; the others run the built graph"}
+    made = {"graph": DECODE_GRAPH, "group_query_attention": layers, "used_for": used_for}
     if lookups:
         made["gather_block_quantized"] = lookups
     return made
@@ -161,11 +161,10 @@ def build_onnxruntime(export_dir: Path, export_manifest: dict, out_dir: Path, *,
                 log.info("int8 activations: every call runs one graph with %d tokens a row or more, so each row's "
                          "logits are the same in every call", EXACT_MIN_CALL_TOKENS)
                 if fusion:  # the graph of sessions of one row a call (engines/onnxruntime.py: plan_rows)
-                    made = _decode_graph(tmp, graph, export_manifest["model"])
-                    if made["graph"]:
-                        made["used_for"] = ("every call of a session planned for one row a call (a Scheduler of "
-                                            "max_batch 1); other sessions run the built graph for every call")
-                    build["decode_graph"] = made
+                    build["decode_graph"] = _decode_graph(
+                        tmp, graph, export_manifest["model"],
+                        used_for="every call of a session planned for one row a call (a Scheduler of max_batch 1); "
+                                 "other sessions run the built graph for every call")
             elif fusion:
                 build["decode_graph"] = _decode_graph(tmp, graph, export_manifest["model"])
         if quantization is not None:

@@ -124,10 +124,10 @@ class OnnxRuntimeEngine(CacheRows):
         self._one_row = False  # an exact build planned for one row a call (plan_rows): its decode graph for every call
         if self.min_call_tokens > 1:  # one graph loaded at a time: the built one until a plan says one row
             self._decode_path = self.path / decode if decode else None
-            self._decode, self._full = None, _Graph(self.path / manifest["graph"], self._options)
+            self._decode, self._full = None, self._built_graph()
         else:
             self._decode = _Graph(self.path / decode, self._options) if decode else None
-            self._full = None if self._decode else _Graph(self.path / manifest["graph"], self._options)
+            self._full = None if self._decode else self._built_graph()
         self._logits_dtype = self.dtype
         self.logits_size = model.get("logits_size", self.vocab_size)  # a draft head's own vocabulary
         self.extra_inputs = dict(model.get("extra_inputs") or {})  # name -> last dim: a head's float inputs [B, T, n]
@@ -164,7 +164,10 @@ class OnnxRuntimeEngine(CacheRows):
             if self._one_row and self._decode is None:
                 self._decode, self._full = _Graph(self._decode_path, self._options), None
             elif not self._one_row and self._full is None:
-                self._full, self._decode = _Graph(self.path / self.manifest["graph"], self._options), None
+                self._full, self._decode = self._built_graph(), None
+
+    def _built_graph(self) -> _Graph:
+        return _Graph(self.path / self.manifest["graph"], self._options)
 
     def _graph_for(self, b: int, t: int, tree: bool = False) -> _Graph:
         if self.min_call_tokens > 1:  # an exact build: the plan's one graph for every call
@@ -177,7 +180,7 @@ class OnnxRuntimeEngine(CacheRows):
         if self._decode is not None and (b == 1 or t == 1) and not tree:
             return self._decode
         if self._full is None:
-            self._full = _Graph(self.path / self.manifest["graph"], self._options)
+            self._full = self._built_graph()
         return self._full
 
     def _binding(self, g: _Graph, b: int, t: int) -> _Binding:

@@ -294,7 +294,7 @@ class SuffixDrafter(Drafter):
                     nodes = [nodes[j] for j in order]
                     parents = [at[parents[j]] if parents[j] >= 0 else -1 for j in order]
                     scores, depths = [scores[j] for j in order], [depths[j] for j in order]
-                self._round.append((r, length, depths, scores, 0 if match < 4 else 1 if match < MAX_MATCH else 2))
+                self._round.append((r, length, depths, scores, _match_class(match)))
             trees.append((nodes, parents))
         if not tree:  # chains: the tokens alone, in one conversion of a padded flat list
             counts = [len(t) for t, _ in trees]
@@ -334,7 +334,7 @@ class SuffixDrafter(Drafter):
                     if predicted[d] > _CALIBRATION_MEMORY:
                         predicted[d] *= 0.5
                         reached[d] *= 0.5
-                    gain[d] = (reached[d] + _CALIBRATION_PRIOR) / (predicted[d] + _CALIBRATION_PRIOR)  # _calibrated
+                    gain[d] = _calibrated(reached[d], predicted[d])
         self._round = None
 
     # -- proposals ------------------------------------------------------------------------------
