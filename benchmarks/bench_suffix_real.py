@@ -27,6 +27,9 @@ load-aware k policy (--k-policy), no prompt or prefix caching anywhere (as bench
   trtspec target alone            engines/smollm2 (made as `make demo` makes it when missing), drafter none
   trtspec prompt lookup           k <= 4
   trtspec suffix chains           the same engine, k <= 4
+  trtspec suffix chains, 2+ token matches
+                                  the same with SuffixDrafter.one_token_matches off (as before 2026-11-26 20:00: no
+                                  drafts where no 2 tokens match; the A/B of that option)
   trtspec suffix trees            the GGUF exported with tree=True (a work directory under models/bench/suffix-real),
                                   depth <= 6, 16 nodes
   trtspec draft model             the SmolLM2 draft distilled for bench_real's real-draft run (models/bench/
@@ -96,6 +99,7 @@ WORKDIR = WORK / "suffix-real"
 WORKLOADS = ("humaneval", "code-edit", "json", "chat", "rag")
 TARGET = "trtspec target alone"
 LOOKUP = "trtspec prompt lookup"
+TWO_PLUS = "trtspec suffix chains, 2+ token matches"  # (SuffixDrafter.one_token_matches off)
 LLAMA = "llama-server"
 LLAMA_BIN = Path("/work/llama.cpp-build/bin")
 # name -> (engine: "plain" | "tree", drafter, uses the draft model, most drafts a round, tree nodes)
@@ -103,6 +107,7 @@ TRTSPEC_CONFIGS = {
     TARGET: ("plain", "none", False, 4, None),
     LOOKUP: ("plain", "prompt_lookup", False, 4, None),
     "trtspec suffix chains": ("plain", "suffix", False, 4, None),
+    TWO_PLUS: ("plain", "suffix", False, 4, None),
     "trtspec suffix trees": ("tree", "suffix", False, 6, 16),
     "trtspec draft model": ("plain", "draft", True, 4, None),
     "trtspec suffix + draft fallback": ("plain", "suffix", True, 4, None),
@@ -346,6 +351,8 @@ class TrtspecConfig(Trtspec):
         self.gen = Generator(self.target, self.draft_engine, drafter=self.drafter, num_draft_tokens=self.k,
                              k_policy=self.k_policy, prefix_cache_mb=0, prefill_chunk=PREFILL_CHUNK, max_batch=1,
                              **extra)
+        if self.name == TWO_PLUS:
+            self.gen.scheduler.drafter.one_token_matches = False
 
     def run(self, prompt, max_new):
         t0 = time.perf_counter()

@@ -113,6 +113,28 @@ def test_short_and_full_matches_are_calibrated_apart():
     assert propose(drafter, [short], 4).counts.tolist() == [0]
 
 
+def test_a_one_token_match_proposes_only_under_call_costs_and_is_calibrated_apart():
+    """No 2-token suffix occurred before, but the last token did: what followed its latest occurrence, where the
+    call costs are known (the round's shape weighs it), calibrated apart from longer matches; not with costs
+    unknown, nor under a draft model (which drafts such rows)."""
+    history = [7, 40, 41, 42, 9, 7, 50, 51, 8, 7]  # (9, 7) and (8, 7) never before; 7 last followed by 50
+    nearly_free = lambda b, t, tree: 1.0 + 0.01 * (t - 1)  # noqa: E731
+    drafter = SuffixDrafter(1, costs=lambda b, t, tree: 1.0 + 0.2 * (t - 1))  # a lone occurrence's 1/2 pays
+    p = propose(drafter, [history], 3)
+    assert p.drafts[0, : p.counts[0]].tolist() == [50, 51, 8]
+    assert propose(SuffixDrafter(1), [history], 3).counts.tolist() == [0]
+    assert propose(SuffixDrafter(1, costs=nearly_free, one_token_matches=False), [history], 3).counts.tolist() == [0]
+    assert propose(SuffixDrafter(1, costs=nearly_free), [[1, 2, 3]], 3).counts.tolist() == [0]  # 3 never before
+    for _ in range(40):  # never accepted: 1-token matches stop paying for their slots, 2-token matches untouched
+        propose(drafter, [history], 3)
+        drafter.accepted(np.array([len(history)]))
+    assert drafter.calibration(1, 1) <= 0.4 and drafter.calibration(1, 2) == 1.0  # (0.4: slots stop paying)
+    drafter.admit(0, None, 0)
+    assert propose(drafter, [history], 3).counts.tolist() == [0]
+    drafter.admit(0, None, 0)
+    assert propose(drafter, [[5, 1, 2, 60, 61, 5, 1, 2]], 2).drafts[0].tolist() == [60, 61]
+
+
 def test_a_round_deeper_than_any_before_is_proposed_and_calibrated():
     """k is the engine's to allow (up to a call's width): the per-depth calibration grows to any depth."""
     history = list(range(1, 41)) * 3 + [1, 2, 3]

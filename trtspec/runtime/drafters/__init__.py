@@ -26,7 +26,8 @@ from .suffix import SuffixCache, SuffixDrafter, SuffixThenDraft
 
 def _suffix(target, draft, max_batch, pad_id, tree_width, tree_nodes):
     # trees where the target verifies them; its cache of earlier outputs lives as long as the drafter
-    suffix = SuffixDrafter(max_batch, tree=bool(getattr(target, "tree_verify", False)), tree_nodes=tree_nodes)
+    suffix = SuffixDrafter(max_batch, tree=bool(getattr(target, "tree_verify", False)), tree_nodes=tree_nodes,
+                           one_token_matches=draft is None)
     return suffix if draft is None else SuffixThenDraft(suffix, DraftModelDrafter(draft, pad_id))
 
 

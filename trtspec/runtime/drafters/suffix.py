@@ -19,7 +19,9 @@ costs). A node's gain is its score calibrated by the acceptance measured at its 
 length (the running ratio of accepted to predicted, short, longer and full matches apart), and each row proposes
 the best-gain nodes that maximise (1 + their gains) / (the verify call's cost at 1 + their count): deep where the
 text repeats and the call is cheap, nothing where a match says too little for its cost. A target without tree verification gets the trie's
-likeliest path as a chain. No earlier occurrence: no drafts, and the round costs the target call alone.
+likeliest path as a chain. No match of MIN_MATCH tokens: what followed the row's last token where it last occurred
+in its own text, where its own calibration says it pays (``one_token_matches``); no occurrence at all: no drafts,
+and the round costs the target call alone.
 
 ``SuffixThenDraft`` puts a draft model under it: rows the suffix drafter has nothing for draft with the model,
 when its measured acceptance and call costs say a draft pays (TensorRT-LLM's suffix automaton on top of a
@@ -43,17 +45,19 @@ MAX_MATCH = 8
 MAX_OCCURRENCES = 16  # occurrences looked at per lookup: the latest ones (recent text predicts best)
 _BITS = 21  # token ids below 2**21: an n-gram's key is its ids side by side in one int
 SEP = (1 << _BITS) - 1  # between the shared cache's outputs: no match or continuation crosses it
-_MASK2, _MASK4 = (1 << 2 * _BITS) - 1, (1 << 4 * _BITS) - 1
+_MASK1, _MASK2, _MASK4 = (1 << _BITS) - 1, (1 << 2 * _BITS) - 1, (1 << 4 * _BITS) - 1
 _CALIBRATION_PRIOR = 4.0  # predicted tokens' worth of "the scores are right" before a depth is measured
 _CALIBRATION_MEMORY = 256.0  # a depth's counts are halved beyond this: acceptance drifts with the text
 _PROBE_EVERY = 32  # rounds with a match but nothing worth proposing, before one node is proposed anyway
-# the calibration is kept apart for short (2-3 tokens), longer (4-7) and full (MAX_MATCH) matches: how far back the
-# text agrees says how often what followed it follows again (a regenerated answer matches in full and repeats whole;
-# a 2-token match in prose rarely), which a continuation's count alone does not say
+# the calibration is kept apart for 1-token (the row's own text only, see SuffixDrafter), short (2-3 tokens), longer
+# (4-7) and full (MAX_MATCH) matches: how far back the text agrees says how often what followed it follows again (a
+# regenerated answer matches in full and repeats whole; a 2-token match in prose rarely), which a continuation's
+# count alone does not say
+_CLASSES = 4
 
 
 def _match_class(m: int) -> int:
-    return 0 if m < 4 else 1 if m < MAX_MATCH else 2
+    return 0 if m < 2 else 1 if m < 4 else 2 if m < MAX_MATCH else 3
 
 
 def _calibrated(reached: float, predicted: float) -> float:
@@ -62,15 +66,17 @@ def _calibrated(reached: float, predicted: float) -> float:
 
 class _Text:
     """Tokens, with the positions after each 2-gram's and 4-gram's occurrences chained latest first:
-    ``last[key]`` is the latest, ``prev[p - base]`` the one before p (-1: none). Positions count from the first
-    token ever added; the first ``base`` were dropped (the shared cache forgets its oldest outputs)."""
+    ``last[key]`` is the latest, ``prev[p - base]`` the one before p (-1: none); and after each token's latest
+    occurrence (``last1``, no chain). Positions count from the first token ever added; the first ``base`` were
+    dropped (the shared cache forgets its oldest outputs)."""
 
-    __slots__ = ("seq", "prev2", "prev4", "last2", "last4", "base", "_key")
+    __slots__ = ("seq", "prev2", "prev4", "last1", "last2", "last4", "base", "_key")
 
     def __init__(self):
         self.seq = array("q")
         self.prev2 = array("q")
         self.prev4 = array("q")
+        self.last1: dict[int, int] = {}
         self.last2: dict[int, int] = {}
         self.last4: dict[int, int] = {}
         self.base = 0
@@ -86,6 +92,8 @@ class _Text:
             for i, t in enumerate(tokens):
                 if held >= 4:
                     return self.extend(tokens[i:])
+                if held >= 1:
+                    self.last1[self._key & _MASK1] = self.base + held
                 if held >= 2:
                     k = self._key & _MASK2
                     self.prev2.append(self.last2.get(k, -1))
@@ -97,9 +105,11 @@ class _Text:
                 self._key = ((self._key << _BITS) | t) & _MASK4
                 held += 1
             return
-        append, prev2, prev4, last2, last4 = self.seq.append, self.prev2.append, self.prev4.append, self.last2, self.last4
+        append, prev2, prev4 = self.seq.append, self.prev2.append, self.prev4.append
+        last1, last2, last4 = self.last1, self.last2, self.last4
         key, p = self._key, self.base + held
         for t in tokens:
+            last1[key & _MASK1] = p
             k = key & _MASK2
             prev2(last2.get(k, -1))
             last2[k] = p
@@ -188,7 +198,7 @@ class SuffixCache:
         self.tokens -= k - 1
         del text.seq[:k], text.prev2[:k], text.prev4[:k]
         text.base += k
-        for name in ("last2", "last4"):  # entries before base are never walked; drop them once they pile up
+        for name in ("last1", "last2", "last4"):  # entries before base are never walked; drop them once they pile up
             chains = getattr(text, name)
             if len(chains) > 2 * len(text.seq) + 1024:
                 setattr(text, name, {key: p for key, p in chains.items() if p >= text.base})
@@ -207,13 +217,18 @@ class SuffixDrafter(Drafter):
     ``costs``: None (every node scoring at least ``min_score`` is proposed, up to the caps and ``tree_nodes``), or
     a function (rows, tokens per row, tree) -> the verify call's seconds or None (not known yet), which makes
     each round's shape the one with the most tokens expected per second (the Scheduler sets it under its
-    load-aware policy)."""
+    load-aware policy).
+
+    ``one_token_matches``: with call costs known, a row with no match of MIN_MATCH tokens anywhere takes what
+    followed its last token where it last occurred in its own text (prompt lookup's last resort), calibrated apart
+    and proposed only where that calibration and the call costs say it pays (on a one-row decode graph a second
+    token in the call is nearly free). Off under a draft model (SuffixThenDraft): the model drafts those rows."""
 
     name = "suffix"
     drafts_after_forced = False  # (its trees start at the row's last token, as a draft model's do)
 
     def __init__(self, max_batch: int, *, cache: SuffixCache | None = None, tree: bool = False,
-                 tree_nodes: int | None = None, min_score: float = 0.1, costs=None):
+                 tree_nodes: int | None = None, min_score: float = 0.1, costs=None, one_token_matches: bool = True):
         if not 0.0 <= min_score <= 1.0:
             raise ValueError(f"min_score must be in [0, 1], got {min_score!r}")
         self.cache = cache if cache is not None else SuffixCache()
@@ -221,12 +236,13 @@ class SuffixDrafter(Drafter):
         self.tree_nodes = tree_nodes or 16
         self.min_score = min_score
         self.costs = costs
+        self.one_token_matches = one_token_matches
         self.rows: list[_Text] = [_Text() for _ in range(max_batch)]
         # per match class (_match_class) and depth (1..): the proposed nodes' scores, and the rounds whose accepted
         # path reached that depth (Python lists: a round touches a few entries, each a numpy scalar op otherwise)
-        self.predicted: list[list[float]] = [[0.0] for _ in range(3)]
-        self.reached: list[list[float]] = [[0.0] for _ in range(3)]
-        self._gain: list[list[float]] = [[1.0] for _ in range(3)]  # calibration(depth, class), kept by accepted()
+        self.predicted: list[list[float]] = [[0.0] for _ in range(_CLASSES)]
+        self.reached: list[list[float]] = [[0.0] for _ in range(_CLASSES)]
+        self._gain: list[list[float]] = [[1.0] for _ in range(_CLASSES)]  # calibration(depth, class), kept by accepted()
         self._round: list | None = None  # this round's proposals: (row, n, depths, scores, match class)
         self._idle = 0  # rounds since a row last proposed while it had a match
         self._b = 0  # this round's rows (for the call costs _shape asks for)
@@ -253,7 +269,7 @@ class SuffixDrafter(Drafter):
         deepest = max(limits, default=0)
         if deepest >= len(self.predicted[0]):  # a deeper round than any before: room for its depths
             grow = [0.0] * (deepest + 1 - len(self.predicted[0]))
-            for c in range(3):
+            for c in range(_CLASSES):
                 self.predicted[c] += grow
                 self.reached[c] += grow
                 self._gain[c] += [1.0] * len(grow)  # (_calibrated(0, 0))
@@ -261,6 +277,8 @@ class SuffixDrafter(Drafter):
         # the verify call's seconds at 1 token a row; _shape asks for more tokens as it needs them, once a round
         call_costs = self._call_costs(b) if b else None
         rows, tree, cache = self.rows, self.tree, self.cache
+        ones = self.one_token_matches and call_costs is not None
+        shaped: dict[tuple, int] = {}  # this round's shapes of uniform candidates (see below)
         trees = []
         self._round = []
         for r in range(b):
@@ -275,6 +293,10 @@ class SuffixDrafter(Drafter):
             match, found = text.find(text.seq, text._key)  # (its own tail: the end of its tokens)
             if found or cache.tokens:
                 match, found = self._continuations(text, depth, match, found)
+            if not found and ones:  # what followed the row's last token where it last occurred in its own text
+                p = text.last1.get(text._key & _MASK1, -1)
+                if p >= 0:
+                    match, found = 1, [tuple(text.seq[p : p + depth])]
             if not found:
                 trees.append(([], []))
                 continue
@@ -284,7 +306,16 @@ class SuffixDrafter(Drafter):
             if not nodes:
                 trees.append(([], []))
                 continue
-            keep = self._shape(call_costs, scores, depths, match)
+            # a lone continuation's nodes all score alike: rows with the same (match class, score, length) share
+            # one shape a round (most rows at 8: the lone occurrences of 1- and 2-token matches)
+            uniform = scores[0] == scores[-1] and depths[-1] == len(depths)
+            key = (_match_class(match), scores[0], len(scores)) if uniform else None
+            keep = shaped.get(key) if uniform else None
+            if keep is None:
+                keep = self._shape(call_costs, scores, depths, match)
+                if uniform:
+                    shaped[key] = keep
+            keep = self._probed(keep)
             if keep < len(nodes):
                 nodes, parents, scores, depths = nodes[:keep], parents[:keep], scores[:keep], depths[:keep]
             if nodes:
@@ -314,7 +345,7 @@ class SuffixDrafter(Drafter):
         if not self._round:
             return
         valid = valid.tolist() if isinstance(valid, np.ndarray) else list(valid)
-        top = [0, 0, 0]  # per match class, the deepest node proposed (depths 1..it were all proposed at)
+        top = [0] * _CLASSES  # per match class, the deepest node proposed (depths 1..it were all proposed at)
         for r, length, depths, scores, c in self._round:
             predicted = self.predicted[c]
             for d, score in zip(depths, scores):
@@ -475,6 +506,10 @@ class SuffixDrafter(Drafter):
             rate = expected / call_costs[i]
             if rate > best_rate:
                 best_rate, best = rate, i
+        return best
+
+    def _probed(self, best: int) -> int:
+        """A row's count of nodes, or 1 where nothing has paid for _PROBE_EVERY rows with candidates."""
         if best == 0:
             self._idle += 1
             if self._idle >= _PROBE_EVERY:  # keep measuring: the calibration learns only from proposed nodes
