@@ -16,12 +16,12 @@ each continuation is cut at the first token the grammar forbids: only allowed to
 
 The round's shape is the drafter's own (``costs`` set: the scheduler's load-aware policy gives the measured call
 costs). A node's gain is its score calibrated by the acceptance measured at its depth after matches of its
-length (the running ratio of accepted to predicted, short, longer and full matches apart), and each row proposes
-the best-gain nodes that maximise (1 + their gains) / (the verify call's cost at 1 + their count): deep where the
-text repeats and the call is cheap, nothing where a match says too little for its cost. A target without tree verification gets the trie's
-likeliest path as a chain. No match of MIN_MATCH tokens: what followed the row's last token where it last occurred
-in its own text, where its own calibration says it pays (``one_token_matches``); no occurrence at all: no drafts,
-and the round costs the target call alone.
+length (the running ratio of accepted to predicted, 1-token, short, longer and full matches apart), and each row
+proposes the best-gain nodes that maximise (1 + their gains) / (the verify call's cost at 1 + their count): deep
+where the text repeats and the call is cheap, nothing where a match says too little for its cost. A target without
+tree verification gets the trie's likeliest path as a chain. No match of MIN_MATCH tokens: what followed the row's
+last token where it last occurred in its own text, where its own calibration says it pays (``one_token_matches``);
+no occurrence at all: no drafts, and the round costs the target call alone.
 
 ``SuffixThenDraft`` puts a draft model under it: rows the suffix drafter has nothing for draft with the model,
 when its measured acceptance and call costs say a draft pays (TensorRT-LLM's suffix automaton on top of a
@@ -242,7 +242,7 @@ class SuffixDrafter(Drafter):
         # path reached that depth (Python lists: a round touches a few entries, each a numpy scalar op otherwise)
         self.predicted: list[list[float]] = [[0.0] for _ in range(_CLASSES)]
         self.reached: list[list[float]] = [[0.0] for _ in range(_CLASSES)]
-        self._gain: list[list[float]] = [[1.0] for _ in range(_CLASSES)]  # calibration(depth, class), kept by accepted()
+        self._gain: list[list[float]] = [[1.0] for _ in range(_CLASSES)]  # calibration(depth, class): accepted()
         self._round: list | None = None  # this round's proposals: (row, n, depths, scores, match class)
         self._idle = 0  # rounds since a row last proposed while it had a match
         self._b = 0  # this round's rows (for the call costs _shape asks for)
