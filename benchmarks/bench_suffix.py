@@ -100,13 +100,15 @@ def by_depth(histogram) -> list[float]:
     return [sum(histogram[d:]) / total for d in range(1, len(histogram))] if total else []
 
 
-def host_cost(texts: list[list[int]], trees: bool, rounds: int = 40, *, shaped: bool = True) -> float:
+def host_cost(texts: list[list[int]], trees: bool, rounds: int = 40, *, shaped: bool = True,
+              one_token_matches: bool = True) -> float:
     """Median microseconds of a round's drafter work over 8 rows, 3 new known tokens a row per round.
 
     ``shaped`` (the default, as the Scheduler runs it under its load-aware policy): the drafter shapes each row's
     proposal from call costs (a CallCosts measured at 1..5 tokens a row, so deeper shapes take its linear fit), and
     the round's verdicts go back through ``accepted`` (each row accepting half its drafts), both counted. Without it:
-    ``propose`` alone with no costs, every candidate kept (the figure quoted before 2026-11-26)."""
+    ``propose`` alone with no costs, every candidate kept (the figure quoted before 2026-11-26).
+    ``one_token_matches``: SuffixDrafter's option (off: rows with no 2-token match propose nothing)."""
     from trtspec.runtime.adaptive import CallCosts
     from trtspec.runtime.drafters.suffix import SuffixDrafter
 
@@ -116,7 +118,7 @@ def host_cost(texts: list[list[int]], trees: bool, rounds: int = 40, *, shaped: 
     for r, seq in enumerate(rows):
         tokens[r, : len(seq)] = seq
     start = np.array([len(s) // 2 for s in rows])
-    drafter = SuffixDrafter(len(rows), tree=trees, tree_nodes=16)
+    drafter = SuffixDrafter(len(rows), tree=trees, tree_nodes=16, one_token_matches=one_token_matches)
     if shaped:
         costs = CallCosts()
         for t in range(1, 6):  # 8 rows: 40 ms a call and 2.5 ms a token more (the shape of measured onnxruntime calls)

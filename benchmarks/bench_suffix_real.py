@@ -648,10 +648,13 @@ def host_cost_only(results: Path, runs: int) -> dict:
            "chains_us": statistics.median(host_cost(texts, False) for _ in range(runs)),
            "trees_us": statistics.median(host_cost(texts, True) for _ in range(runs)),
            "chains_unshaped_us": statistics.median(host_cost(texts, False, shaped=False) for _ in range(runs)),
-           "trees_unshaped_us": statistics.median(host_cost(texts, True, shaped=False) for _ in range(runs))}
+           "trees_unshaped_us": statistics.median(host_cost(texts, True, shaped=False) for _ in range(runs)),
+           "chains_2plus_us": statistics.median(host_cost(texts, False, one_token_matches=False) for _ in range(runs)),
+           "trees_2plus_us": statistics.median(host_cost(texts, True, one_token_matches=False) for _ in range(runs))}
     print(f"suffix drafter host cost over 8 rows ({out['rows_tokens']} tokens), medians of {runs} runs: chains "
           f"{out['chains_us']:.1f} us, trees {out['trees_us']:.1f} us a round, shaped by call costs with the verdicts "
-          f"learnt (propose alone, unshaped: {out['chains_unshaped_us']:.1f} / {out['trees_unshaped_us']:.1f} us)")
+          f"learnt (propose alone, unshaped: {out['chains_unshaped_us']:.1f} / {out['trees_unshaped_us']:.1f} us; "
+          f"shaped, without 1-token matches: {out['chains_2plus_us']:.1f} / {out['trees_2plus_us']:.1f} us)")
     return out
 
 
