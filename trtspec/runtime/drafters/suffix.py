@@ -306,14 +306,14 @@ class SuffixDrafter(Drafter):
             if not nodes:
                 trees.append(([], []))
                 continue
+            c = _match_class(match)
             # a lone continuation's nodes all score alike: rows with the same (match class, score, length) share
             # one shape a round (most rows at 8: the lone occurrences of 1- and 2-token matches)
-            uniform = scores[0] == scores[-1] and depths[-1] == len(depths)
-            key = (_match_class(match), scores[0], len(scores)) if uniform else None
-            keep = shaped.get(key) if uniform else None
+            key = (c, scores[0], len(scores)) if scores[0] == scores[-1] and depths[-1] == len(depths) else None
+            keep = shaped.get(key) if key else None
             if keep is None:
-                keep = self._shape(call_costs, scores, depths, match)
-                if uniform:
+                keep = self._shape(call_costs, scores, depths, c)
+                if key:
                     shaped[key] = keep
             keep = self._probed(keep)
             if keep < len(nodes):
@@ -325,7 +325,7 @@ class SuffixDrafter(Drafter):
                     nodes = [nodes[j] for j in order]
                     parents = [at[parents[j]] if parents[j] >= 0 else -1 for j in order]
                     scores, depths = [scores[j] for j in order], [depths[j] for j in order]
-                self._round.append((r, length, depths, scores, _match_class(match)))
+                self._round.append((r, length, depths, scores, c))
             trees.append((nodes, parents))
         if not tree:  # chains: the tokens alone, in one conversion of a padded flat list
             counts = [len(t) for t, _ in trees]
@@ -488,14 +488,14 @@ class SuffixDrafter(Drafter):
         one = self.costs(b, 1, self.tree)
         return None if one is None else [one]
 
-    def _shape(self, call_costs: list[float] | None, scores: list[float], depths: list[int], match: int) -> int:
+    def _shape(self, call_costs: list[float] | None, scores: list[float], depths: list[int], c: int) -> int:
         """How many of the best-first candidates to propose: all (no call costs known), or the count with the most
         tokens expected per second of the verify call (``call_costs[t - 1]``: its seconds at t tokens a row)."""
         if not scores or call_costs is None:
             return len(scores)
         # gains: calibrated scores, never above a shallower candidate's (the candidates come best first)
         best_rate, best, expected, ceiling = 1.0 / call_costs[0], 0, 1.0, 1.0
-        gain = self._gain[_match_class(match)]  # calibration(d, match) (propose grew it to every depth asked for)
+        gain = self._gain[c]  # calibration at depth d for match class c (propose grew it to every depth asked for)
         for i, (score, d) in enumerate(zip(scores, depths), 1):
             score *= gain[d]
             if score < ceiling:
