@@ -19,7 +19,8 @@ gguf = pytest.importorskip("gguf", reason="pip install 'trtspec[gguf]'")
 from trtspec import build, export  # noqa: E402
 from trtspec.errors import UnsupportedModelError  # noqa: E402
 from trtspec.exporter import gguf as reader  # noqa: E402
-from trtspec.quantization.int4_packing import unpack_codes  # noqa: E402
+from trtspec.builder.ort_lowering import centred  # noqa: E402
+from trtspec.quantization.int4_packing import minimum_digits, unpack_codes  # noqa: E402
 from trtspec.testing import gguf_blocks, make_tiny_gguf  # noqa: E402
 
 KEPT = ("Q4_0", "Q4_1", "Q4_K", "Q8_0")
@@ -32,7 +33,8 @@ def _dequantize(t) -> np.ndarray:
 
 def _engine_weights(engine: Path) -> dict[str, np.ndarray]:
     """Every MatMulNBits layer of a built engine, as the float weights [out, in] its kernel computes with:
-    scale * (code - zero point) [+ the minimum its gguf_minimums MatMul adds], split back into layers."""
+    scale * (code - zero point) [+ the remainder r of each block's minimum: the weights of its gguf_minimums
+    MatMul, or the 4-bit blocks its kernel reads the block sums with], split back into layers."""
     import onnx
     from onnx import numpy_helper
 
@@ -40,6 +42,7 @@ def _engine_weights(engine: Path) -> dict[str, np.ndarray]:
     model = onnx.load(str(engine / "model.onnx"))
     values = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
     nodes = {n.name: n for n in model.graph.node}
+    producers = {o: n for n in model.graph.node for o in n.output}
     out = {}
     for node in model.graph.node:
         if node.op_type == "MatMul" and node.input[1] in values and values[node.input[1]].ndim == 2:
@@ -60,6 +63,15 @@ def _engine_weights(engine: Path) -> dict[str, np.ndarray]:
         base, _, kind = node.name.rpartition("/")
         if f"{base}/gguf_minimums" in nodes:
             w = w + values[nodes[f"{base}/gguf_minimums"].input[1]].T[..., None]
+        concat = nodes.get(f"{base}/gguf_with_block_sums")
+        if concat is not None:  # the input is [x, block sums x D]: the weights of the D copies add up to r
+            d = len(concat.input) - 1
+            k_x, padded = values[producers[concat.input[1]].input[1]].shape  # the block sums' 0/1 matrix
+            digits = (w[:, k_x // 32 :].astype(np.float64).reshape(n, d, padded)).sum(1)
+            assert not digits[:, k_x // 32 :].any()  # the padding's weights
+            r = digits[:, : k_x // 32].astype(np.float32)
+            assert np.array_equal(r, digits[:, : k_x // 32])  # float32 minimums, exactly
+            w, k = w[:, : k_x // 32] + r[..., None], k_x
         w = w.reshape(n, k)
         split = nodes.get(f"{base}/gguf_split")
         if split is None:
@@ -86,6 +98,25 @@ def test_unpacked_blocks_dequantize_as_gguf_does_bit_for_bit(type_name):
     assert np.array_equal(reader.weights_of(blocks), expected)
     assert np.array_equal(unpack_codes(reader.pack(blocks), blocks["bits"]), blocks["codes"])
     assert blocks["codes"].max() < 2 ** blocks["bits"]
+
+
+def test_minimums_centred_and_as_4_bit_digits_are_the_same_weights_exactly():
+    """d * q + m == d * (q - z) + r with the remainder r about 30x smaller than m; r's 4-bit digit blocks
+    (scale 2^e * 16^j, zero point 8) add up to r exactly; a block too wide for 6 digits is refused."""
+    rng = np.random.default_rng(0)
+    d = (rng.random((16, 40)) * 0.02 + 1e-3).astype(np.float16).astype(np.float32)
+    m = (-d * rng.uniform(5.0, 10.0, d.shape)).astype(np.float16).astype(np.float32)  # Q4_1: min = about -7.5 d
+    q = rng.integers(0, 16, (16, 40, 32)).astype(np.float32)
+    z, r = centred(d, m, 0)
+    assert np.array_equal((d[..., None] * (q - z[..., None]) + r[..., None]), d[..., None] * q + m[..., None])
+    assert np.abs(r).max() <= d.max() / 2 and np.abs(r).mean() < np.abs(m).mean() / 10
+    codes, scales, digits = minimum_digits(r)
+    assert codes.shape == (16, digits * 64) and scales.shape == (16, digits * 2) and codes.max() <= 15
+    w = (codes.astype(np.float64) - 8).reshape(16, digits, 64) * np.repeat(scales.reshape(16, digits, 2), 32, -1)
+    assert np.array_equal(w.sum(1), np.pad(r, ((0, 0), (0, 24))).astype(np.float64))
+    wide = np.array([[1.0, 2.0 ** -40 * 3]], np.float32)  # 42 bits apart in one block: no 6 digits hold both
+    assert minimum_digits(wide) is None
+    assert minimum_digits(np.zeros((2, 5), np.float32))[2] == 1  # all zero: one digit of zeros
 
 
 def test_a_type_not_kept_is_refused_by_unpack():
@@ -345,10 +376,15 @@ def test_int8_activations_build_records_its_accuracy_level(tiny, tmp_path, expor
     assert json.loads((tiny["engine"] / "manifest.json").read_text())["quantization"][
         "matmul_nbits_accuracy_level"] == {"4-bit": 0, "8-bit": 4}
     assert json.loads((engine / "manifest.json").read_text())["quantization"]["float"] == []
-    # the same weights either way
+    # the same weights either way, each the file's dequantization; with int8 activations the minimums are 4-bit
+    # blocks of the same kernel (Q4_1 and Q4_K layers), without them a float MatMul
     int8, default = _engine_weights(engine), _engine_weights(tiny["engine"])
     kept = json.loads((tiny["export"] / "manifest.json").read_text())["gguf"]["kept"]
     assert all(np.array_equal(int8[layer], default[layer]) for layer in kept)
+    nodes = json.loads((engine / "manifest.json").read_text())["quantization"]["minimums"]
+    assert nodes["4-bit blocks over the block sums"] >= 2 and nodes["float MatMul over the block sums"] == 0
+    assert json.loads((tiny["engine"] / "manifest.json").read_text())["quantization"]["minimums"] == {
+        "4-bit blocks over the block sums": 0, "float MatMul over the block sums": nodes["4-bit blocks over the block sums"]}
     with pytest.raises(ValueError, match="--int8-activations applies only"):
         build(tiny["export"], tmp_path / "f", weights="float", int8_activations=True)
     with pytest.raises(ValueError, match="--int8-activations applies only"):
@@ -438,7 +474,16 @@ def test_smollm2_int8_activations_rows_are_bit_identical_across_calls(smollm2, t
     decode graph a session of one row a call runs (its attention reads the cache in place), with other chunks."""
     from trtspec.engines import load_engine
 
-    engine = load_engine(build(smollm2["export"], tmp_path / "int8", int8_activations=True), num_threads=2)
+    path = build(smollm2["export"], tmp_path / "int8", int8_activations=True)
+    manifest = json.loads((smollm2["export"] / "manifest.json").read_text())
+    tensors = {t.name: t for t in gguf.GGUFReader(_smollm2()).tensors}
+    weights = _engine_weights(path)  # the minimums as 4-bit blocks over the block sums: the same weights
+    assert json.loads((path / "manifest.json").read_text())["quantization"]["minimums"][
+        "4-bit blocks over the block sums"] == 30 * 4
+    for layer, info in manifest["gguf"]["kept"].items():
+        expected = _restore_rows(_dequantize(tensors[info["tensor"]]), info["rows"], manifest["model"])
+        assert np.array_equal(weights[layer], expected), layer
+    engine = load_engine(path, num_threads=2)
     ids = np.random.default_rng(1).integers(0, 49152, size=(1, 155))
     alone, together = _rows_alone_and_together(engine, ids, 150, chunks=(64,))
     assert np.array_equal(alone, together)

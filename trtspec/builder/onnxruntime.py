@@ -76,8 +76,11 @@ def _gguf_weights(model, export_dir: Path, export_manifest: dict, int8_activatio
              if in_float else "",
              f"; {len(errors)} quantized to 4 bits here (relative weight error up to {max(errors.values()):.2%})"
              if errors else "")
+    names = [node.name for node in model.graph]
+    minimums = {"4-bit blocks over the block sums": sum(n.endswith("/gguf_with_block_sums") for n in names),
+                "float MatMul over the block sums": sum(n.endswith("/gguf_minimums") for n in names)}
     return {"mode": "gguf", "block_size": 32, "weights": dict(types), "activations": None,
-            "kept": fired, "requantized": errors, "float": in_float,
+            "kept": fired, "requantized": errors, "float": in_float, "minimums": minimums,
             "matmul_nbits_accuracy_level": {"4-bit": level, "8-bit": MATMUL_NBITS_ACCURACY_LEVEL},
             "packed": {k: v for k, v in made.items() if len(v) > 1}}
 

@@ -29,7 +29,7 @@ import onnx_ir as ir
 
 from ..engine_contract import MATMUL_NBITS_ACCURACY_LEVEL
 from ..exporter.contract import TREE_MASK
-from ..quantization.int4_packing import pack_uint4
+from ..quantization.int4_packing import minimum_digits, pack_codes, pack_uint4, pack_zero_points
 
 MS = "com.microsoft"
 log = logging.getLogger("trtspec.build")
@@ -411,9 +411,9 @@ def packed_gate_up(model: ir.Model) -> int:
 
 # ---- a GGUF export's own blocks (exporter/gguf.py) ----------------------------------------------------------------
 
-# Layers of one input packed into one MatMulNBits (and one minimums' MatMul), as packed_qkv packs float weights.
+# Layers of one input packed into one MatMulNBits (and one minimums' term), as packed_qkv packs float weights.
 # gate/up only where they have minimums: packed, two MatMulNBits cost about what they cost apart (packed_gate_up),
-# but the minimums' MatMul and Add are saved.
+# but one minimums' term is saved.
 GGUF_PACKED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 # MatMulNBits' accuracy level for the 4-bit layers: 0 computes in float32 from the exact weights. Level 4 (int8
 # activations, as llama.cpp's Q8 dot products) is faster, but an int8 rounding turns the float noise between a
@@ -421,7 +421,7 @@ GGUF_PACKED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 # layers. `build --int8-activations` chooses level 4 and runs every call with 2 tokens or more on one graph, which
 # makes each row's logits the same in every call (engine_contract.EXACT_MIN_CALL_TOKENS); it stays an option because
 # int8 activations move the predictions further from the float weights' (benchmarks/bench_gguf_quality.py: top-1
-# agreement 0.956 against 0.986 at level 0). SmolLM2's decode call: 11.0 ms at level 0, 9.5 at level 4 (one pad token); a 5-token
+# agreement 0.974 against 0.986 at level 0; 0.956 before the minimums were centred, see ``centred``). SmolLM2's decode call: 11.0 ms at level 0, 9.5 at level 4 (one pad token); a 5-token
 # call 25.1 vs 13.6 ms (benchmarks/bench_gguf_kernels.py). 8-bit MatMulNBits at level 0 is a float32 fallback 260x slower here: the 8-bit head keeps level 4 (it rounds its
 # input once, nothing after it amplifies that), and other 8-bit layers stay float MatMuls of the same weights.
 GGUF_ACCURACY_LEVEL = 0
@@ -437,12 +437,45 @@ def _gguf_weight(graph: ir.Graph, node: ir.Node) -> ir.Value | None:
 
 
 def _block_sums(graph: ir.Graph, anchor: ir.Node, x: ir.Value, k: int, cache: dict) -> ir.Value:
-    """x [..., K] -> the sum of each block of 32 along K [..., K/32] (one MatMul with a 0/1 block matrix)."""
+    """x [B, T, K] -> the sum of each block of 32 along K [B, T, K/32]: a Reshape to [B, T, K/32, 32] and a
+    ReduceSum. A MatMul with a 0/1 block matrix did the same, but read that [K, K/32] matrix (12.5 MB a token
+    over SmolLM2's 30 layers): SmolLM2's int8 decode call took 0.3-0.4 ms longer that way, measured in one
+    process against the same graph otherwise."""
+    if x.shape is not None and len(x.shape) != 3:
+        raise ValueError(f"{anchor.name}: a GGUF layer's input {x.name} has shape {x.shape}, not [batch, tokens, {k}]")
     if id(x) not in cache:
-        indicator = np.kron(np.eye(k // 32, dtype=np.float32), np.ones((32, 1), np.float32))  # [K, K/32]
-        cache[id(x)] = _op(graph, anchor, "MatMul", [x, _const(graph, f"gguf.block_sum.{k}", indicator)],
-                           f"{anchor.name}/block_sums")
+        if k not in cache:  # the shape and axis constants, one of each
+            cache[k] = _int64(graph, f"gguf.blocks.{k}", [0, 0, k // 32, 32])
+            cache.setdefault("axis", _int64(graph, "gguf.last_axis", [-1]))
+        blocks = _op(graph, anchor, "Reshape", [x, cache[k]], f"{anchor.name}/blocks")
+        cache[id(x)] = _op(graph, anchor, "ReduceSum", [blocks, cache["axis"]], f"{anchor.name}/block_sums", keepdims=0)
     return cache[id(x)]
+
+
+def centred(scales: np.ndarray, minimums: np.ndarray, zero_point: int) -> tuple[np.ndarray, np.ndarray]:
+    """Blocks d * (q - z0) + m (codes q in 0..15) -> the same weights as d * (q - z) + r: (z [N, G] uint8, r [N, G]),
+    z = z0 + j with j the integer nearest -m / d that keeps z in 0..15, and r = m + d * j, exactly (a block where
+    that sum rounds keeps j = 0). Q4_1's m is about -7.5 d, so the term the block sums carry shrinks about 30x
+    (SmolLM2: mean |r| / |m| = 0.033), and with it the error of any rounding of those sums (the int8 activations'
+    ``minimum_digits`` form)."""
+    d, m = scales.astype(np.float64), minimums.astype(np.float64)
+    j = np.where(d != 0, np.clip(np.rint(-m / np.where(d == 0, 1, d)), -zero_point, 15 - zero_point), 0)
+    r = (minimums + scales * j.astype(np.float32)).astype(np.float32)
+    exact = r.astype(np.float64) - d * j == m
+    return (zero_point + np.where(exact, j, 0)).astype(np.uint8), np.where(exact, r, minimums).astype(np.float32)
+
+
+def _padded_block_sums(graph: ir.Graph, anchor: ir.Node, x: ir.Value, k: int, padded: int, cache: dict) -> ir.Value:
+    """x [..., K] -> its sums over each block of 32 along K, padded with zeros to `padded` [..., padded]: one
+    MatMul with a 0/1 matrix [K, padded], one constant for every layer of that K (it stays in cache)."""
+    key = ("padded", k, padded)
+    if key not in cache:
+        indicator = np.zeros((k, padded), np.float32)
+        indicator[np.arange(k), np.arange(k) // 32] = 1.0
+        cache[key] = _const(graph, f"gguf.block_sums.{k}", indicator)
+    if (id(x), padded) not in cache:
+        cache[(id(x), padded)] = _op(graph, anchor, "MatMul", [x, cache[key]], f"{anchor.name}/block_sums")
+    return cache[(id(x), padded)]
 
 
 def _family(name: str, minimums: bool) -> tuple[int, int] | None:
@@ -457,10 +490,18 @@ def _family(name: str, minimums: bool) -> tuple[int, int] | None:
 def gguf_linears(model: ir.Model, arrays, kept: dict[str, dict], accuracy_level: int = GGUF_ACCURACY_LEVEL
                  ) -> dict[str, list[str]]:
     """Each linear layer a GGUF export kept blocks for -> ``MatMulNBits`` over the file's own codes and scales
-    (block 32); where the type has a per-block minimum m (Q4_1, Q4_K), plus ``block_sums(x) @ M^T``, which is
-    sum_i x_i m over each block: the weights the engine computes with are d * q + m exactly. q/k/v of one input
-    become one MatMulNBits and a Split (one kernel launch instead of three). Returns {MatMulNBits node: the
-    layers it computes, in order}."""
+    (block 32). Where the type has a per-block minimum m (Q4_1, Q4_K), the block is d * (q - z) + r (``centred``:
+    z the integer zero point nearest -m / d, r = m + d * z), and the remainder's term sum_i x_i r over each block
+    is added from the block sums of x:
+    - with int8 activations (level 4), r as 4-bit blocks of the same kernel, whose input is x followed by D copies
+      of its block sums (``minimum_digits``): no node reads float r, and the kernel's threads read the digits with
+      the codes. SmolLM2's decode call at 100 tokens: 0.80x the time of the float term below (in one process,
+      alternating), and the int8 rounding of the block sums costs little because r is small;
+    - at level 0, a float MatMul ``block_sums(x) @ R^T`` and an Add (at level 0 the digits' wider K cost more
+      than they saved: 1.03x).
+    Either way the weights the engine computes with are d * q + m exactly. q/k/v of one input become one
+    MatMulNBits and a Split (one kernel launch instead of three). Returns {MatMulNBits node: the layers it
+    computes, in order}."""
     graph = model.graph
     # 8-bit layers have no fast float-activation kernel: at level 0 they stay the export's float MatMul (the same
     # weights, dequantized), except the head, which rounds only its input (see GGUF_ACCURACY_LEVEL)
@@ -473,7 +514,7 @@ def gguf_linears(model: ir.Model, arrays, kept: dict[str, dict], accuracy_level:
         key = ((id(node.inputs[0]), family[0], info["bits"], info["zero_point"], info["minimums"]) if family
                else (id(node),))
         groups.setdefault(key, []).append(node)
-    sums: dict[int, ir.Value] = {}
+    sums: dict = {}
     made = {}
     for group in groups.values():
         group.sort(key=lambda n: (_family(n.name, kept[n.name]["minimums"]) or (0, 0))[1])
@@ -481,17 +522,30 @@ def gguf_linears(model: ir.Model, arrays, kept: dict[str, dict], accuracy_level:
         b = np.concatenate([arrays[f"{n.name}/B"] for n in group])
         scales = np.concatenate([arrays[f"{n.name}/scales"] for n in group])
         n_out, k = b.shape[0], b.shape[1] * 32
-        inputs = [x, _const(graph, f"{base}/gguf.B", b), _const(graph, f"{base}/gguf.scales", scales.reshape(-1))]
-        if info["bits"] == 4 and info["zero_point"] != 8:  # MatMulNBits' default zero point is 2^(bits-1)
-            zp = np.full(n_out * ((k // 32 + 1) // 2), (info["zero_point"] << 4) | info["zero_point"], np.uint8)
-            inputs.append(_const(graph, f"{base}/gguf.zero_points", zp))
+        zp = np.full((n_out, k // 32), info["zero_point"], np.uint8) if info["bits"] == 4 else None
         anchor = min(group, key=list(graph).index)
-        y = _op(graph, anchor, "MatMulNBits", inputs, f"{base}/gguf", domain=MS, K=k, N=n_out, bits=info["bits"],
-                block_size=32, accuracy_level=accuracy_level if info["bits"] == 4 else MATMUL_NBITS_ACCURACY_LEVEL)
+        digits = remainders = None
         if info["minimums"]:
-            m = np.concatenate([arrays[f"{n.name}/minimums"] for n in group])  # [N, K/32]
+            zp, remainders = centred(scales, np.concatenate([arrays[f"{n.name}/minimums"] for n in group]), info["zero_point"])
+            if accuracy_level == MATMUL_NBITS_ACCURACY_LEVEL:
+                digits = minimum_digits(remainders)
+        if digits is not None:  # the minimums as further 4-bit blocks of the same kernel, over the block sums
+            codes, digit_scales, d = digits
+            padded = codes.shape[1] // d
+            x = _op(graph, anchor, "Concat", [x] + [_padded_block_sums(graph, anchor, x, k, padded, sums)] * d,
+                    f"{base}/gguf_with_block_sums", axis=-1)
+            b = np.concatenate([b, pack_codes(codes, 4, 32)], axis=1)
+            scales = np.concatenate([scales, digit_scales], axis=1)
+            zp = np.concatenate([zp, np.full(digit_scales.shape, 8, np.uint8)], axis=1)
+        inputs = [x, _const(graph, f"{base}/gguf.B", b), _const(graph, f"{base}/gguf.scales", scales.reshape(-1))]
+        if zp is not None and (zp != 8).any():  # MatMulNBits' default zero point is 2^(bits-1)
+            inputs.append(_const(graph, f"{base}/gguf.zero_points", pack_zero_points(zp)))
+        y = _op(graph, anchor, "MatMulNBits", inputs, f"{base}/gguf", domain=MS, K=b.shape[1] * 32, N=n_out,
+                bits=info["bits"], block_size=32,
+                accuracy_level=accuracy_level if info["bits"] == 4 else MATMUL_NBITS_ACCURACY_LEVEL)
+        if remainders is not None and digits is None:
             y = _op(graph, anchor, "Add", [y, _op(graph, anchor, "MatMul", [
-                _block_sums(graph, anchor, x, k, sums), _const(graph, f"{base}/gguf.minimums", np.ascontiguousarray(m.T))],
+                _block_sums(graph, anchor, x, k, sums), _const(graph, f"{base}/gguf.minimums", np.ascontiguousarray(remainders.T))],
                 f"{base}/gguf_minimums")], f"{base}/gguf_plus_minimums")
         outs = [y]
         if len(group) > 1:
