@@ -383,8 +383,9 @@ def test_int8_activations_build_records_its_accuracy_level(tiny, tmp_path, expor
     assert all(np.array_equal(int8[layer], default[layer]) for layer in kept)
     nodes = json.loads((engine / "manifest.json").read_text())["quantization"]["minimums"]
     assert nodes["4-bit blocks over the block sums"] >= 2 and nodes["float MatMul over the block sums"] == 0
+    digits = nodes["4-bit blocks over the block sums"]
     assert json.loads((tiny["engine"] / "manifest.json").read_text())["quantization"]["minimums"] == {
-        "4-bit blocks over the block sums": 0, "float MatMul over the block sums": nodes["4-bit blocks over the block sums"]}
+        "4-bit blocks over the block sums": 0, "float MatMul over the block sums": digits}
     with pytest.raises(ValueError, match="--int8-activations applies only"):
         build(tiny["export"], tmp_path / "f", weights="float", int8_activations=True)
     with pytest.raises(ValueError, match="--int8-activations applies only"):

@@ -421,9 +421,11 @@ GGUF_PACKED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 # layers. `build --int8-activations` chooses level 4 and runs every call with 2 tokens or more on one graph, which
 # makes each row's logits the same in every call (engine_contract.EXACT_MIN_CALL_TOKENS); it stays an option because
 # int8 activations move the predictions further from the float weights' (benchmarks/bench_gguf_quality.py: top-1
-# agreement 0.974 against 0.986 at level 0; 0.956 before the minimums were centred, see ``centred``). SmolLM2's decode call: 11.0 ms at level 0, 9.5 at level 4 (one pad token); a 5-token
-# call 25.1 vs 13.6 ms (benchmarks/bench_gguf_kernels.py). 8-bit MatMulNBits at level 0 is a float32 fallback 260x slower here: the 8-bit head keeps level 4 (it rounds its
-# input once, nothing after it amplifies that), and other 8-bit layers stay float MatMuls of the same weights.
+# agreement 0.974 against 0.986 at level 0; 0.956 before the minimums were centred, see ``centred``). SmolLM2's
+# decode call: 10.0 ms at level 0, 8.6 at level 4 (one pad token; 7.9 on its decode graph); a 5-token call 23.9 vs
+# 12.8 ms (benchmarks/bench_gguf_kernels.py). 8-bit MatMulNBits at level 0 is a float32 fallback 260x slower here:
+# the 8-bit head keeps level 4 (it rounds its input once, nothing after it amplifies that), and other 8-bit layers
+# stay float MatMuls of the same weights.
 GGUF_ACCURACY_LEVEL = 0
 
 
@@ -438,9 +440,9 @@ def _gguf_weight(graph: ir.Graph, node: ir.Node) -> ir.Value | None:
 
 def _block_sums(graph: ir.Graph, anchor: ir.Node, x: ir.Value, k: int, cache: dict) -> ir.Value:
     """x [B, T, K] -> the sum of each block of 32 along K [B, T, K/32]: a Reshape to [B, T, K/32, 32] and a
-    ReduceSum. A MatMul with a 0/1 block matrix did the same, but read that [K, K/32] matrix (12.5 MB a token
-    over SmolLM2's 30 layers): SmolLM2's int8 decode call took 0.3-0.4 ms longer that way, measured in one
-    process against the same graph otherwise."""
+    ReduceSum. A MatMul with a 0/1 block matrix did the same, but read that [K, K/32] matrix, one for each layer
+    (12.5 MB a token over SmolLM2's 30 layers): the default build's decode call takes 0.92-0.95x the time this way
+    (in one process, alternating with the same graph otherwise)."""
     if x.shape is not None and len(x.shape) != 3:
         raise ValueError(f"{anchor.name}: a GGUF layer's input {x.name} has shape {x.shape}, not [batch, tokens, {k}]")
     if id(x) not in cache:
@@ -495,10 +497,11 @@ def gguf_linears(model: ir.Model, arrays, kept: dict[str, dict], accuracy_level:
     is added from the block sums of x:
     - with int8 activations (level 4), r as 4-bit blocks of the same kernel, whose input is x followed by D copies
       of its block sums (``minimum_digits``): no node reads float r, and the kernel's threads read the digits with
-      the codes. SmolLM2's decode call at 100 tokens: 0.80x the time of the float term below (in one process,
-      alternating), and the int8 rounding of the block sums costs little because r is small;
-    - at level 0, a float MatMul ``block_sums(x) @ R^T`` and an Add (at level 0 the digits' wider K cost more
-      than they saved: 1.03x).
+      the codes. SmolLM2's decode call (2 tokens a row) takes 0.90-0.93x the time of the float term below, at
+      100-300 tokens of context (in one process, alternating), and the int8 rounding of the block sums costs
+      little because r is small (bench_gguf_quality.py: top-1 agreement 0.9743 against 0.9748 with the float term);
+    - at level 0, a float MatMul ``block_sums(x) @ R^T`` and an Add: there the digits' wider K cost more than the
+      float term (1.03x the call time in the same kernel, 1.04x as a MatMulNBits of their own).
     Either way the weights the engine computes with are d * q + m exactly. q/k/v of one input become one
     MatMulNBits and a Split (one kernel launch instead of three). Returns {MatMulNBits node: the layers it
     computes, in order}."""
@@ -526,7 +529,8 @@ def gguf_linears(model: ir.Model, arrays, kept: dict[str, dict], accuracy_level:
         anchor = min(group, key=list(graph).index)
         digits = remainders = None
         if info["minimums"]:
-            zp, remainders = centred(scales, np.concatenate([arrays[f"{n.name}/minimums"] for n in group]), info["zero_point"])
+            minimums = np.concatenate([arrays[f"{n.name}/minimums"] for n in group])  # [N, K/32]
+            zp, remainders = centred(scales, minimums, info["zero_point"])
             if accuracy_level == MATMUL_NBITS_ACCURACY_LEVEL:
                 digits = minimum_digits(remainders)
         if digits is not None:  # the minimums as further 4-bit blocks of the same kernel, over the block sums
@@ -544,9 +548,9 @@ def gguf_linears(model: ir.Model, arrays, kept: dict[str, dict], accuracy_level:
                 bits=info["bits"], block_size=32,
                 accuracy_level=accuracy_level if info["bits"] == 4 else MATMUL_NBITS_ACCURACY_LEVEL)
         if remainders is not None and digits is None:
-            y = _op(graph, anchor, "Add", [y, _op(graph, anchor, "MatMul", [
-                _block_sums(graph, anchor, x, k, sums), _const(graph, f"{base}/gguf.minimums", np.ascontiguousarray(remainders.T))],
-                f"{base}/gguf_minimums")], f"{base}/gguf_plus_minimums")
+            r = _const(graph, f"{base}/gguf.minimums", np.ascontiguousarray(remainders.T))
+            y = _op(graph, anchor, "Add", [y, _op(graph, anchor, "MatMul", [_block_sums(graph, anchor, x, k, sums), r],
+                                                  f"{base}/gguf_minimums")], f"{base}/gguf_plus_minimums")
         outs = [y]
         if len(group) > 1:
             split = ir.node("Split", [y, _int64(graph, f"{base}/gguf.sizes", [arrays[f"{n.name}/B"].shape[0] for n in group])],
