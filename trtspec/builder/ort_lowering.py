@@ -445,13 +445,15 @@ def _block_sums(graph: ir.Graph, anchor: ir.Node, x: ir.Value, k: int, cache: di
     (in one process, alternating with the same graph otherwise)."""
     if x.shape is not None and len(x.shape) != 3:
         raise ValueError(f"{anchor.name}: a GGUF layer's input {x.name} has shape {x.shape}, not [batch, tokens, {k}]")
-    if id(x) not in cache:
-        if k not in cache:  # the shape and axis constants, one of each
-            cache[k] = _int64(graph, f"gguf.blocks.{k}", [0, 0, k // 32, 32])
-            cache.setdefault("axis", _int64(graph, "gguf.last_axis", [-1]))
-        blocks = _op(graph, anchor, "Reshape", [x, cache[k]], f"{anchor.name}/blocks")
-        cache[id(x)] = _op(graph, anchor, "ReduceSum", [blocks, cache["axis"]], f"{anchor.name}/block_sums", keepdims=0)
-    return cache[id(x)]
+    if ("sums", id(x)) not in cache:
+        if ("shape", k) not in cache:  # the shape constant, one for each K, and the axis, one
+            cache["shape", k] = _int64(graph, f"gguf.blocks.{k}", [0, 0, k // 32, 32])
+        if ("axis",) not in cache:
+            cache["axis",] = _int64(graph, "gguf.last_axis", [-1])
+        blocks = _op(graph, anchor, "Reshape", [x, cache["shape", k]], f"{anchor.name}/blocks")
+        cache["sums", id(x)] = _op(graph, anchor, "ReduceSum", [blocks, cache[("axis",)]], f"{anchor.name}/block_sums",
+                                   keepdims=0)
+    return cache["sums", id(x)]
 
 
 def centred(scales: np.ndarray, minimums: np.ndarray, zero_point: int) -> tuple[np.ndarray, np.ndarray]:
@@ -470,14 +472,14 @@ def centred(scales: np.ndarray, minimums: np.ndarray, zero_point: int) -> tuple[
 def _padded_block_sums(graph: ir.Graph, anchor: ir.Node, x: ir.Value, k: int, padded: int, cache: dict) -> ir.Value:
     """x [..., K] -> its sums over each block of 32 along K, padded with zeros to `padded` [..., padded]: one
     MatMul with a 0/1 matrix [K, padded], one constant for every layer of that K (it stays in cache)."""
-    key = ("padded", k, padded)
-    if key not in cache:
+    if ("indicator", k, padded) not in cache:
         indicator = np.zeros((k, padded), np.float32)
         indicator[np.arange(k), np.arange(k) // 32] = 1.0
-        cache[key] = _const(graph, f"gguf.block_sums.{k}", indicator)
-    if (id(x), padded) not in cache:
-        cache[(id(x), padded)] = _op(graph, anchor, "MatMul", [x, cache[key]], f"{anchor.name}/block_sums")
-    return cache[(id(x), padded)]
+        cache["indicator", k, padded] = _const(graph, f"gguf.block_sums.{k}", indicator)
+    if ("padded sums", id(x), padded) not in cache:
+        cache["padded sums", id(x), padded] = _op(graph, anchor, "MatMul", [x, cache["indicator", k, padded]],
+                                                  f"{anchor.name}/block_sums")
+    return cache["padded sums", id(x), padded]
 
 
 def _family(name: str, minimums: bool) -> tuple[int, int] | None:
@@ -517,7 +519,7 @@ def gguf_linears(model: ir.Model, arrays, kept: dict[str, dict], accuracy_level:
         key = ((id(node.inputs[0]), family[0], info["bits"], info["zero_point"], info["minimums"]) if family
                else (id(node),))
         groups.setdefault(key, []).append(node)
-    sums: dict = {}
+    sums: dict[tuple, ir.Value] = {}  # the block sums' nodes and constants, by what they are of
     made = {}
     for group in groups.values():
         group.sort(key=lambda n: (_family(n.name, kept[n.name]["minimums"]) or (0, 0))[1])
