@@ -105,19 +105,19 @@ class _Text:
                 self._key = ((self._key << _BITS) | t) & _MASK4
                 held += 1
             return
-        append, prev2, prev4 = self.seq.append, self.prev2.append, self.prev4.append
+        prev2, prev4 = self.prev2.append, self.prev4.append
         last1, last2, last4 = self.last1, self.last2, self.last4
-        key, p = self._key, self.base + held
+        key, p, mask1, mask2, mask4 = self._key, self.base + held, _MASK1, _MASK2, _MASK4
         for t in tokens:
-            last1[key & _MASK1] = p
-            k = key & _MASK2
+            last1[key & mask1] = p
+            k = key & mask2
             prev2(last2.get(k, -1))
             last2[k] = p
             prev4(last4.get(key, -1))
             last4[key] = p
-            append(t)
-            key = ((key << _BITS) | t) & _MASK4
+            key = ((key << _BITS) | t) & mask4
             p += 1
+        self.seq.extend(tokens)
         self._key = key
 
     def find(self, tail, key: int | None = None) -> tuple[int, list[int]]:
@@ -278,7 +278,7 @@ class SuffixDrafter(Drafter):
         call_costs = self._call_costs(b) if b else None
         rows, tree, cache = self.rows, self.tree, self.cache
         ones = self.one_token_matches and call_costs is not None
-        shaped: dict[tuple, int] = {}  # this round's shapes of uniform candidates (see below)
+        shaped: dict[tuple, list[int]] = {}  # this round's _chain_shapes by (match class, score)
         trees = []
         self._round = []
         for r in range(b):
@@ -300,22 +300,42 @@ class SuffixDrafter(Drafter):
             if not found:
                 trees.append(([], []))
                 continue
+            c = _match_class(match)
             processor = samplers[r].processor if samplers is not None else None
-            grammar = processor if processor is not None and processor.constraint is not None else None
+            if processor is None or processor.constraint is None:
+                cont = found[0]
+                if found.count(cont) == len(found):  # one continuation: a chain, each node as likely as the next
+                    if not cont:
+                        trees.append(([], []))
+                        continue
+                    # rows with the same (match class, score) share their shapes a round (most rows at 8: the
+                    # lone occurrences of 1- and 2-token matches)
+                    score = len(found) / (len(found) + 1)
+                    sizes = shaped.get((c, score))
+                    if sizes is None:
+                        sizes = shaped[c, score] = self._chain_shapes(call_costs, score, c, deepest)
+                    keep = self._probed(sizes[len(cont)])
+                    if keep:
+                        depths = self._depths[:keep]
+                        self._round.append((r, length, depths, [score] * keep, c))
+                        trees.append((list(cont[:keep]), self._chain[:keep]))
+                    else:
+                        trees.append(([], []))
+                    continue
+                grammar = None
+            else:
+                grammar = processor
             nodes, parents, scores, depths = self._candidates(found, depth, grammar)
             if not nodes:
                 trees.append(([], []))
                 continue
-            c = _match_class(match)
-            # a lone continuation's nodes all score alike: rows with the same (match class, score, length) share
-            # one shape a round (most rows at 8: the lone occurrences of 1- and 2-token matches)
-            key = (c, scores[0], len(scores)) if scores[0] == scores[-1] and depths[-1] == len(depths) else None
-            keep = shaped.get(key) if key else None
-            if keep is None:
-                keep = self._shape(call_costs, scores, depths, c)
-                if key:
-                    shaped[key] = keep
-            keep = self._probed(keep)
+            if scores[0] == scores[-1] and depths[-1] == len(depths):  # a chain of alike nodes, as above
+                sizes = shaped.get((c, scores[0]))
+                if sizes is None:
+                    sizes = shaped[c, scores[0]] = self._chain_shapes(call_costs, scores[0], c, deepest)
+                keep = self._probed(sizes[len(scores)])
+            else:
+                keep = self._probed(self._shape(call_costs, scores, depths, c))
             if keep < len(nodes):
                 nodes, parents, scores, depths = nodes[:keep], parents[:keep], scores[:keep], depths[:keep]
             if nodes:
@@ -335,7 +355,8 @@ class SuffixDrafter(Drafter):
                 for t, _ in trees:
                     flat += t
                     flat += [0] * (k - len(t))
-            return Proposal(np.array(flat, np.int64).reshape(b, k), np.array(counts, np.int64))
+            return Proposal(np.frombuffer(array("q", flat), np.int64).reshape(b, k),
+                            np.frombuffer(array("q", counts), np.int64))
         drafts, parents, counts = pack_trees(trees, max([len(t) for t, _ in trees] + [0]))
         return Proposal(drafts, counts, None, [], parents, f"suffix{self.tree_nodes}")
 
@@ -365,7 +386,7 @@ class SuffixDrafter(Drafter):
                     if predicted[d] > _CALIBRATION_MEMORY:
                         predicted[d] *= 0.5
                         reached[d] *= 0.5
-                    gain[d] = _calibrated(reached[d], predicted[d])
+                    gain[d] = (reached[d] + _CALIBRATION_PRIOR) / (predicted[d] + _CALIBRATION_PRIOR)  # (_calibrated)
         self._round = None
 
     # -- proposals ------------------------------------------------------------------------------
@@ -394,12 +415,6 @@ class SuffixDrafter(Drafter):
         agreeing: 16/17)."""
         total = len(found)
         floor = self.min_score * total
-        if grammar is None and found.count(found[0]) == total:  # one continuation (repeated text): see below
-            cont = found[0]
-            if total < floor or not cont:
-                return [], [], [], []
-            score = total / (total + 1)
-            return list(cont), self._chain[: len(cont)], [score] * len(cont), self._depths[: len(cont)]
         # repetitive text repeats its continuations: count each distinct one once (latest first, for ties)
         distinct: dict[tuple, int] = {}
         for cont in found:
@@ -493,9 +508,22 @@ class SuffixDrafter(Drafter):
         tokens expected per second of the verify call (``call_costs[t - 1]``: its seconds at t tokens a row)."""
         if not scores or call_costs is None:
             return len(scores)
+        return self._best_counts(call_costs, scores, depths, c)[-1]
+
+    def _chain_shapes(self, call_costs: list[float] | None, score: float, c: int, deepest: int) -> list[int]:
+        """_shape of a chain of nodes all scoring ``score``, at every length: [0, its count at length 1, ..,
+        at length ``deepest``]."""
+        if call_costs is None:
+            return list(range(deepest + 1))
+        return self._best_counts(call_costs, [score] * deepest, self._depths[:deepest], c)
+
+    def _best_counts(self, call_costs: list[float], scores: list[float], depths: list[int], c: int) -> list[int]:
+        """[0, _shape of the first candidate alone, of the first two, .., of them all]: one pass serves every
+        prefix, since the rate of the first i candidates does not depend on the ones after them."""
         # gains: calibrated scores, never above a shallower candidate's (the candidates come best first)
         best_rate, best, expected, ceiling = 1.0 / call_costs[0], 0, 1.0, 1.0
         gain = self._gain[c]  # calibration at depth d for match class c (propose grew it to every depth asked for)
+        counts = [0]
         for i, (score, d) in enumerate(zip(scores, depths), 1):
             score *= gain[d]
             if score < ceiling:
@@ -506,7 +534,8 @@ class SuffixDrafter(Drafter):
             rate = expected / call_costs[i]
             if rate > best_rate:
                 best_rate, best = rate, i
-        return best
+            counts.append(best)
+        return counts
 
     def _probed(self, best: int) -> int:
         """A row's count of nodes, or 1 where nothing has paid for _PROBE_EVERY rows with candidates."""
