@@ -116,6 +116,27 @@ def test_greedy_eagle3_speculation_equals_target_greedy(eagle, batch, tree_width
     assert all(r.stats.proposed >= 3 * (r.stats.rounds - 3) for r in out)
 
 
+def test_a_built_head_keeps_its_vocabulary_map_and_drafts_as_its_export(eagle, tmp_path):
+    """`trtspec build` of an exported head: the engine carries draft_to_target.npy (before 2026-11-27 it did not,
+    and the head engine was refused as "not an exported draft head"), and drafts the same tokens as the export."""
+    from trtspec.builder import build
+    from trtspec.manifest import read_manifest
+
+    target_path, head_path, _ = eagle
+    engine = build(head_path, tmp_path / "head-engine")
+    assert read_manifest(engine)["format"] == "trtspec-engine"
+    np.testing.assert_array_equal(np.load(engine / "draft_to_target.npy"), np.load(head_path / "draft_to_target.npy"))
+    target = load_engine(target_path)
+    prompts = ["def add(a, b):", "import os"]
+    reference = [r.token_ids for r in Generator(target).generate(prompts, max_new_tokens=16)]
+    runs = [Generator(target, head, drafter="eagle3", num_draft_tokens=3, k_policy="fixed").generate(prompts,
+                                                                                                  max_new_tokens=16)
+            for head in (head_path, engine)]
+    assert [r.token_ids for r in runs[1]] == [r.token_ids for r in runs[0]] == reference
+    assert runs[1].stats.proposed == runs[0].stats.proposed > 0
+    assert runs[1].stats.accepted == runs[0].stats.accepted
+
+
 @pytest.mark.parametrize("tree_width", [1, 3])
 def test_greedy_eagle3_speculation_over_a_torch_target_equals_its_greedy(eagle, model_dir, tree_width):
     import trtspec

@@ -22,6 +22,9 @@ FORMAT_VERSION = 1
 EXPORT_FORMAT = "trtspec-export"
 ENGINE_FORMAT = "trtspec-engine"
 KINDS = (EXPORT_FORMAT, ENGINE_FORMAT)
+DRAFT_TO_TARGET = "draft_to_target.npy"  # an exported head's draft id -> target id map (heads/export.py writes it)
+# what the runtime reads from an artifact besides its graph and tokenizer: an engine built from an export carries it
+CARRIED_FILES = (DRAFT_TO_TARGET,)
 
 
 def sha256_file(path: Path) -> str:
@@ -77,6 +80,14 @@ def atomic_artifact(out_dir: str | os.PathLike, manifest: dict):
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def carry_files(export_dir: Path, export_manifest: dict, out: Path) -> None:
+    """Copy an export's tokenizer and CARRIED_FILES into the engine being built in ``out``."""
+    shutil.copytree(export_dir / export_manifest["tokenizer"], out / export_manifest["tokenizer"])
+    for name in CARRIED_FILES:
+        if name in export_manifest["files"]:
+            shutil.copy2(export_dir / name, out / name)
 
 
 def export_source(export_dir: Path) -> dict:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ..engine_contract import EXACT_MIN_CALL_TOKENS, MATMUL_NBITS_ACCURACY_LEVEL, fuses_qdq
 from ..engines.onnxruntime import session_options
-from ..manifest import ENGINE_FORMAT, atomic_artifact, export_source, versions
+from ..manifest import ENGINE_FORMAT, atomic_artifact, carry_files, export_source, versions
 
 log = logging.getLogger("trtspec.build")
 QUANTIZED_KERNELS = ("MatMulNBits", "MatMulIntegerToFloat", "QLinearMatMul", "DequantizeLinear", "QuantizeLinear")
@@ -174,6 +174,6 @@ def build_onnxruntime(export_dir: Path, export_manifest: dict, out_dir: Path, *,
             ops = collections.Counter(n.op_type for n in onnx.load(str(tmp / graph), load_external_data=False).graph.node)
             build["kernels"] = {op: ops[op] for op in QUANTIZED_KERNELS if ops[op]}
             log.info("quantized kernels in the engine: %s", build["kernels"] or "none")
-        shutil.copytree(export_dir / export_manifest["tokenizer"], tmp / export_manifest["tokenizer"])
+        carry_files(export_dir, export_manifest, tmp)
     log.info("wrote %s in %.1f s", out_dir, time.perf_counter() - t0)
     return out_dir

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import time
 from pathlib import Path
 
 from ..engines.tensorrt_compat import compute_capability, import_tensorrt
 from ..errors import ArtifactError, BackendUnavailableError
-from ..manifest import ENGINE_FORMAT, atomic_artifact, export_source, versions
+from ..manifest import ENGINE_FORMAT, atomic_artifact, carry_files, export_source, versions
 from .tensorrt_check import check_export, format_report
 from .tensorrt_plan import DEFAULT_VERIFY_TOKENS, profile_plan
 
@@ -130,7 +129,7 @@ def build_tensorrt(
     manifest = _engine_manifest(export_dir, export_manifest, plan, trt.__version__, capability, workspace_mib, cache_path)
     with atomic_artifact(out_dir, manifest) as tmp:
         (tmp / PLAN_FILE).write_bytes(bytes(serialized))
-        shutil.copytree(export_dir / export_manifest["tokenizer"], tmp / export_manifest["tokenizer"])
+        carry_files(export_dir, export_manifest, tmp)
     log.info("wrote %s in %.1f s", out_dir, time.perf_counter() - t0)
     return out_dir
 

@@ -17,10 +17,10 @@ from pathlib import Path
 import numpy as np
 
 from ...errors import ArtifactError
+from ...manifest import DRAFT_TO_TARGET
 from ..tree import branching_tree, pack_trees
 from .base import Drafter, Proposal
 
-DRAFT_TO_TARGET = "draft_to_target.npy"  # an exported head's draft id -> target id map (heads/export.py writes it)
 
 
 def feature_columns(model: dict, layers, hidden_size: int, what: str) -> np.ndarray:
