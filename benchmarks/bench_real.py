@@ -12,7 +12,9 @@ pools never share one), picked by ``--only`` with any part of their names:
   openvino-genai (GGUF)        OpenVINO GenAI's LLMPipeline reading the GGUF file itself (its prefix cache off)
   HF generate() fp32           transformers on the dequantized float32 checkpoint: the reference for token agreement
   trtspec LABEL [+ drafter]    an engine built by `trtspec export`/`build` (--trtspec-engine [LABEL=]DIR, repeatable)
-                               through trtspec.Generator: drafters none, prompt_lookup, suffix, and draft (--draft DIR)
+                               through trtspec.Generator: drafters none, prompt_lookup, suffix, draft (--draft DIR)
+                               and eagle3 (--head DIR: an EAGLE-3 head's engine, for targets exported with
+                               --hidden-states low,mid,high)
 
 Rounds alternate: round r runs every system once over every prompt, the order rotated by r, so all systems share
 the same minutes of a shared machine; each figure is the median of its rounds. A trtspec system gets a fresh
@@ -76,7 +78,7 @@ WORKDIR = WORK / "smollm2"
 SERVED_NAME = "smollm2"
 PREFILL_CHUNK = 128  # the Scheduler's default: prompt tokens a target call reads
 SPEC_TYPES = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")  # need no draft model
-DRAFTERS = ("none", "prompt_lookup", "suffix", "draft")
+DRAFTERS = ("none", "prompt_lookup", "suffix", "draft", "eagle3")
 
 
 def smollm2_gguf() -> Path:
@@ -444,7 +446,7 @@ class Trtspec(System):
         shown = "self-draft" if drafter == "draft" and str(draft) == "self" else drafter
         self.name = f"trtspec {label}" + ("" if drafter == "none" else f" + {shown}")
         self.base = f"trtspec {label}" if drafter != "none" else None
-        self.engine, self.drafter, self.draft = engine, drafter, draft if drafter == "draft" else None
+        self.engine, self.drafter, self.draft = engine, drafter, draft if drafter in ("draft", "eagle3") else None
         self.k, self.k_policy, self.threads, self.hf_dir = k, k_policy, threads, hf_dir
 
     def setup(self):
@@ -845,9 +847,10 @@ def single_systems(args, gguf: Path, hf_dir: Path, eos: int, log) -> list[System
                 HFGenerate(hf_dir, args.threads, eos)]
     for label, engine in args.trtspec_engine:
         for drafter in args.drafters:
-            if drafter == "draft" and args.draft is None:
+            if (drafter == "draft" and args.draft is None) or (drafter == "eagle3" and args.head is None):
                 continue
-            systems.append(Trtspec(label, engine, drafter, args.draft, args.k, args.k_policy, args.threads, hf_dir))
+            model = args.head if drafter == "eagle3" else args.draft
+            systems.append(Trtspec(label, engine, drafter, model, args.k, args.k_policy, args.threads, hf_dir))
     # every system but the servers in a process of its own: torch's, onnxruntime's and OpenVINO's thread pools
     # (and two onnxruntime sessions' spinning threads) never share one, as the servers' never do
     return [s if isinstance(s, (LlamaServer, LlamaBench)) else Isolated(s) for s in systems
@@ -868,6 +871,10 @@ def served_servers(args, gguf: Path) -> dict[str, list[str]]:
                 if args.draft is not None:
                     shown = "self-draft" if str(args.draft) == "self" else "draft"
                     out[f"trtspec serve {label} + {shown}"] = base + ["--draft", str(args.draft), "-k", str(args.k)]
+            elif drafter == "eagle3":
+                if args.head is not None:
+                    out[f"trtspec serve {label} + eagle3"] = base + ["--draft", str(args.head), "--drafter", "eagle3",
+                                                                     "-k", str(args.k)]
             else:
                 out[f"trtspec serve {label}" + ("" if drafter == "none" else f" + {drafter}")] = (
                     base + ["--drafter", drafter] + ([] if drafter == "none" else ["-k", str(args.k)]))
@@ -895,8 +902,11 @@ def main(argv=None):
     ap.add_argument("--draft", type=Path,
                     help="a draft engine for every --trtspec-engine (drafter 'draft'), or `self`: each target's own "
                          "INT4 build")
+    ap.add_argument("--head", type=Path,
+                    help="an EAGLE-3 head's engine (trtspec distill --method eagle3, export-head, build) for every "
+                         "--trtspec-engine (drafter 'eagle3'; the targets exported with --hidden-states low,mid,high)")
     ap.add_argument("--drafters", nargs="+", choices=DRAFTERS, default=list(DRAFTERS),
-                    help="trtspec drafters to run (default all; 'draft' only with --draft)")
+                    help="trtspec drafters to run (default all; 'draft' only with --draft, 'eagle3' with --head)")
     ap.add_argument("-k", type=int, default=4, help="trtspec's most drafts a round (default 4)")
     ap.add_argument("--k-policy", choices=["load-aware", "fixed"], default="load-aware")
     ap.add_argument("--served-requests", type=int, default=24, help="requests per served load level (default 24)")
@@ -920,6 +930,8 @@ def main(argv=None):
             ap.error(f"--trtspec-engine {label}={engine}: no manifest.json there (trtspec export/build make one)")
     if args.draft is not None and str(args.draft) != "self" and not (args.draft / "manifest.json").is_file():
         ap.error(f"--draft {args.draft}: no manifest.json there")
+    if args.head is not None and not (args.head / "manifest.json").is_file():
+        ap.error(f"--head {args.head}: no manifest.json there (trtspec export-head, then trtspec build)")
 
     def log(msg):
         print(msg, flush=True)

@@ -4,7 +4,8 @@
 
 The base revision is checked out into a temporary git worktree; each round runs the same workload once per revision
 (alternating which goes first), each in a fresh process with that revision's trtspec first on sys.path, on the same
-engines (this checkout's engines/stdlib-{target,draft} and engines/smollm2: `make demo-stdlib`, `make demo`):
+engines (this checkout's engines/stdlib-{target,draft} and engines/smollm2: `make demo-stdlib`,
+`make engines/smollm2/manifest.json`):
   the bundled pair, 8 held-out prompts x 128 tokens in one list (4 rows): draft k = 4 fixed, load-aware k, rejection
   sampling at T = 0.8, prompt lookup; SmolLM2 with the suffix drafter, 4 chat prompts in one list and one alone.
 Decode tok/s, medians over the rounds, with their ratio. Then both revisions generate the same 8 prompts x 64 tokens
@@ -99,7 +100,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     for engine in ("stdlib-target", "stdlib-draft", "smollm2"):
         if not (ROOT / "engines" / engine / "manifest.json").is_file():
-            ap.error(f"engines/{engine} is missing: build it first (make demo-stdlib, make demo)")
+            ap.error(f"engines/{engine} is missing: build it first (make demo-stdlib, make engines/smollm2/manifest.json)")
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     base = subprocess.run(["git", "rev-parse", "--short", args.base], cwd=ROOT, capture_output=True, text=True)
     if base.returncode:

@@ -24,7 +24,8 @@ Workloads (--prompts each, default 4; every one made from text on this machine, 
 Configurations, each in a process of its own (bench_real.Isolated; llama-server is a process of its own and is
 timed from this one), 2 threads each, greedy, up to --tokens new tokens (each stops at its EOS), trtspec under the
 load-aware k policy (--k-policy), no prompt or prefix caching anywhere (as bench_real):
-  trtspec target alone            engines/smollm2 (made as `make demo` makes it when missing), drafter none
+  trtspec target alone            engines/smollm2 (engines/smollm2-int8x with --int8-activations, as `make demo`
+                                  builds it; made from `make demo`'s export when missing), drafter none
   trtspec prompt lookup           k <= 4
   trtspec suffix chains           the same engine, k <= 4
   trtspec suffix chains, 2+ token matches
@@ -284,7 +285,7 @@ def engines(gguf: Path, hf_dir: Path, want_tree: bool, want_draft: bool, log,
 
     out, missing = {}, {}
     plain = ROOT / "engines" / ("smollm2-int8x" if int8_activations else "smollm2")
-    if not (plain / "manifest.json").is_file():  # what `make demo` makes (with --int8-activations: its export, built so)
+    if not (plain / "manifest.json").is_file():  # `make demo`'s export, built as the Makefile builds either engine
         log(f"making {plain} (trtspec export {gguf.name} export/smollm2 --max-seq-len 2048 --max-batch 4; build)")
         exported = made(ROOT / "export" / "smollm2",
                         lambda x: export(gguf, x, max_seq_len=2048, max_batch=4))
