@@ -8,7 +8,7 @@ what they cost on the real model.
    MatMulNBits' float zero point against uint8 zero points, at accuracy levels 0 and 4; the Q8_0 head's shape
    (49152 x 576, 8 bits) at levels 0 and 4.
 2. Batch invariance per node: the max difference between rows computed one at a time and the same rows in one
-   call of 5, per accuracy level.
+   call of 5, per accuracy level; and the 4-bit layer's time at level 4 against the rows of the call (1..16).
 3. The engines (2 threads, position 100): decode and 5-token call times, interleaved; with --export also a build
    whose minimums' term is dropped (wrong weights: it only measures what the term costs); and the largest logit
    difference between a 5-token call and the same 5 tokens one call at a time (a random-token prompt).
@@ -51,8 +51,8 @@ def _session(n, k, bits, acc, zero_points=None):
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
-def _us(session, k, calls):
-    x = np.random.default_rng(1).standard_normal((1, 1, k)).astype(np.float32)
+def _us(session, k, calls, rows=1):
+    x = np.random.default_rng(1).standard_normal((1, rows, k)).astype(np.float32)
     for _ in range(10):
         session.run(None, {"A": x})
     times = []
@@ -70,6 +70,9 @@ def _invariance(session, k):
     return float(np.abs(alone - session.run(None, {"A": x})[0][0]).max())
 
 
+ROWS = (1, 2, 3, 4, 5, 8, 16)
+
+
 def nodes() -> dict:
     n, k = 1536, 576
     nz = n * ((k // 32 + 1) // 2)
@@ -81,6 +84,9 @@ def nodes() -> dict:
         out["head"][f"8-bit, level {acc}"] = _us(_session(49152, k, 8, acc), k, 3 if acc == 0 else 100)
         out["invariance"][f"4-bit layer, level {acc}"] = _invariance(_session(n, k, 4, acc, np.zeros(nz, np.uint8)), k)
         out["invariance"][f"8-bit head, level {acc}"] = _invariance(_session(49152, k, 8, acc), k)
+    # what a call of T tokens costs the int8 build's layers: the same node at level 4 with M rows
+    layer = _session(n, k, 4, 4, np.zeros(nz, np.uint8))
+    out["rows"] = {m: _us(layer, k, 200, rows=m) for m in ROWS}
     return out
 
 
@@ -161,6 +167,11 @@ def main() -> None:
     lines += ["", "Rows one at a time against the same 5 rows in one call (max abs difference):", "",
               "| node | max diff |", "|---|---|"]
     lines += [f"| {k} | {v:.3g} |" for k, v in result["nodes"]["invariance"].items()]
+    rows = result["nodes"]["rows"]
+    lines += ["", "The 1536x576 4-bit layer at level 4 (uint8 zero points) with M rows a call (median us; a decode "
+              "call of the int8 build runs 2 rows, its token and the pad; a verify of k drafts k + 1):", "",
+              "| M | us | x one row |", "|---|---|---|"]
+    lines += [f"| {m} | {v:.1f} | {v / rows[1]:.2f} |" for m, v in rows.items()]
     lines += ["", f"Engines ({args.engine.name}), position 100, 2 threads, medians of 30 interleaved calls:", "",
               "| build | decode ms | 5-token call ms | 5-token call vs one at a time: max logit diff |",
               "|---|---|---|---|"]
