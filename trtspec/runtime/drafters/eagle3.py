@@ -22,7 +22,6 @@ from ..tree import branching_tree, pack_trees
 from .base import Drafter, Proposal
 
 
-
 def feature_columns(model: dict, layers, hidden_size: int, what: str) -> np.ndarray:
     """The columns of a target's hidden_states output (manifest ``model`` section) that hold ``layers`` (HF
     hidden_states indices, in that order); refused, saying how to re-export, when the target lacks one."""

@@ -278,7 +278,7 @@ class SuffixDrafter(Drafter):
         call_costs = self._call_costs(b) if b else None
         rows, tree, cache = self.rows, self.tree, self.cache
         ones = self.one_token_matches and call_costs is not None
-        shaped: dict[tuple, list[int]] = {}  # this round's _chain_shapes by (match class, score)
+        shaped: dict[tuple, list[int]] = {}  # this round's chain shapes by (match class, score): _chain_shape
         trees = []
         self._round = []
         for r in range(b):
@@ -311,10 +311,7 @@ class SuffixDrafter(Drafter):
                     # rows with the same (match class, score) share their shapes a round (most rows at 8: the
                     # lone occurrences of 1- and 2-token matches)
                     score = len(found) / (len(found) + 1)
-                    sizes = shaped.get((c, score))
-                    if sizes is None:
-                        sizes = shaped[c, score] = self._chain_shapes(call_costs, score, c, deepest)
-                    keep = self._probed(sizes[len(cont)])
+                    keep = self._probed(self._chain_shape(shaped, call_costs, score, c, deepest, len(cont)))
                     if keep:
                         depths = self._depths[:keep]
                         self._round.append((r, length, depths, [score] * keep, c))
@@ -330,10 +327,7 @@ class SuffixDrafter(Drafter):
                 trees.append(([], []))
                 continue
             if scores[0] == scores[-1] and depths[-1] == len(depths):  # a chain of alike nodes, as above
-                sizes = shaped.get((c, scores[0]))
-                if sizes is None:
-                    sizes = shaped[c, scores[0]] = self._chain_shapes(call_costs, scores[0], c, deepest)
-                keep = self._probed(sizes[len(scores)])
+                keep = self._probed(self._chain_shape(shaped, call_costs, scores[0], c, deepest, len(scores)))
             else:
                 keep = self._probed(self._shape(call_costs, scores, depths, c))
             if keep < len(nodes):
@@ -386,7 +380,7 @@ class SuffixDrafter(Drafter):
                     if predicted[d] > _CALIBRATION_MEMORY:
                         predicted[d] *= 0.5
                         reached[d] *= 0.5
-                    gain[d] = (reached[d] + _CALIBRATION_PRIOR) / (predicted[d] + _CALIBRATION_PRIOR)  # (_calibrated)
+                    gain[d] = _calibrated(reached[d], predicted[d])
         self._round = None
 
     # -- proposals ------------------------------------------------------------------------------
@@ -510,12 +504,15 @@ class SuffixDrafter(Drafter):
             return len(scores)
         return self._best_counts(call_costs, scores, depths, c)[-1]
 
-    def _chain_shapes(self, call_costs: list[float] | None, score: float, c: int, deepest: int) -> list[int]:
-        """_shape of a chain of nodes all scoring ``score``, at every length: [0, its count at length 1, ..,
-        at length ``deepest``]."""
-        if call_costs is None:
-            return list(range(deepest + 1))
-        return self._best_counts(call_costs, [score] * deepest, self._depths[:deepest], c)
+    def _chain_shape(self, shaped: dict, call_costs: list[float] | None, score: float, c: int, deepest: int,
+                     size: int) -> int:
+        """_shape of a chain of ``size`` nodes all scoring ``score``; ``shaped`` keeps, for the round, each
+        (match class, score)'s shapes at every length up to ``deepest`` (one pass serves them all)."""
+        sizes = shaped.get((c, score))
+        if sizes is None:
+            sizes = shaped[c, score] = (list(range(deepest + 1)) if call_costs is None else
+                                        self._best_counts(call_costs, [score] * deepest, self._depths[:deepest], c))
+        return sizes[size]
 
     def _best_counts(self, call_costs: list[float], scores: list[float], depths: list[int], c: int) -> list[int]:
         """[0, _shape of the first candidate alone, of the first two, .., of them all]: one pass serves every
