@@ -116,44 +116,39 @@ def make_tiny_model(arch: str, out_dir: str | os.PathLike, *, seed: int = 0, **o
     return out_dir
 
 
-# GGUF block layouts (bytes per 32 weights, 256 for Q4_K) and the tiny GGUF model's layers' types: every type the
-# export keeps, packed groups of equal and of different kinds, and one it does not keep (Q5_0).
+# The tiny GGUF model's layers' types: every type the export keeps, packed groups of equal and of different kinds
+# (q/k of layer 1 packed, v apart; gate/up packed with their minimums), and one it does not keep (IQ4_NL).
 _GGUF_LAYER_TYPES = (
     {"attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q4_K", "attn_output": "Q8_0",
      "ffn_gate": "Q4_0", "ffn_up": "Q4_1", "ffn_down": "Q4_K"},
-    {"attn_q": "Q4_1", "attn_k": "Q4_1", "attn_v": "Q4_1", "attn_output": "Q4_1",
-     "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q5_0"},
+    {"attn_q": "Q5_1", "attn_k": "Q5_1", "attn_v": "Q5_0", "attn_output": "Q6_K",
+     "ffn_gate": "Q5_K", "ffn_up": "Q5_K", "ffn_down": "IQ4_NL"},
 )
 
 
 def gguf_blocks(type_name: str, n: int, k: int, rng) -> "np.ndarray":
-    """Random but well-formed GGUF blocks of ``type_name`` for an [n, k] tensor: codes uniform, scales of a
-    trained model's size (fp16, positive; Q4_1's minimum and Q4_K's dmin too), as bytes [n, row bytes]."""
+    """Random but well-formed GGUF blocks of ``type_name`` for an [n, k] tensor: codes (and the K-quants' packed
+    sub-block scales) uniform, fp16 scales of a trained model's size, minimums negative, as bytes [n, row bytes]."""
     import numpy as np
 
-    def f16(shape, low, high):
-        return rng.uniform(low, high, shape).astype(np.float16).view(np.uint8).reshape(*shape[:-1], -1)
-
-    if type_name == "Q5_0":
-        import gguf
-
-        return gguf.quants.quantize(rng.normal(0, 0.05, (n, k)).astype(np.float32), gguf.GGMLQuantizationType.Q5_0)
-    if type_name == "Q4_K":
-        nb = n * k // 256
-        b = np.concatenate([f16((nb, 1), 0.0005, 0.002), f16((nb, 1), 0.0005, 0.002),
-                            rng.integers(0, 256, (nb, 140), dtype=np.uint8)], axis=1)
-        return b.reshape(n, -1)
-    nb = n * k // 32
-    if type_name == "Q8_0":
-        return np.concatenate([f16((nb, 1), 0.0002, 0.002), rng.integers(0, 256, (nb, 32), dtype=np.uint8)],
-                              axis=1).reshape(n, -1)
-    d = f16((nb, 1), 0.002, 0.02)
-    if type_name == "Q4_0":
-        b = np.concatenate([d, rng.integers(0, 256, (nb, 16), dtype=np.uint8)], axis=1)
-    elif type_name == "Q4_1":
-        b = np.concatenate([d, f16((nb, 1), -0.15, -0.02), rng.integers(0, 256, (nb, 16), dtype=np.uint8)], axis=1)
-    else:
+    # type -> (weights per block, bytes per block, where its fp16 scale sits, its fp16 minimum / dmin or None,
+    #          the scale's range)
+    layouts = {"Q4_0": (32, 18, 0, None, (0.002, 0.02)), "Q4_1": (32, 20, 0, 2, (0.002, 0.02)),
+               "Q5_0": (32, 22, 0, None, (0.001, 0.01)), "Q5_1": (32, 24, 0, 2, (0.001, 0.01)),
+               "Q8_0": (32, 34, 0, None, (0.0002, 0.002)), "Q4_K": (256, 144, 0, 2, (0.0005, 0.002)),
+               "Q5_K": (256, 176, 0, 2, (0.0002, 0.001)), "Q6_K": (256, 210, 208, None, (0.00001, 0.00005)),
+               "IQ4_NL": (32, 18, 0, None, (0.0002, 0.002))}
+    if type_name not in layouts:
         raise ValueError(type_name)
+    per, size, at, minimum, (low, high) = layouts[type_name]
+    b = rng.integers(0, 256, (n * k // per, size), dtype=np.uint8)
+
+    def f16(lo, hi):
+        return rng.uniform(lo, hi, (b.shape[0], 1)).astype(np.float16).view(np.uint8)
+
+    b[:, at:at + 2] = f16(low, high)
+    if minimum is not None:  # Q4_1/Q5_1's m is negative, about -7.5 d; the K-quants' dmin is positive
+        b[:, minimum:minimum + 2] = f16(-8 * high, -4 * low) if per == 32 else f16(low, high)
     return b.reshape(n, -1)
 
 

@@ -516,25 +516,29 @@ def gguf_linears(model: ir.Model, arrays, kept: dict[str, dict], accuracy_level:
     for node in found:
         info = kept[node.name]
         family = _family(node.name, info["minimums"])
-        key = ((id(node.inputs[0]), family[0], info["bits"], info["zero_point"], info["minimums"]) if family
-               else (id(node),))
+        key = ((id(node.inputs[0]), family[0], info["bits"], info.get("block", 32), info["zero_point"],
+                info["minimums"]) if family else (id(node),))
         groups.setdefault(key, []).append(node)
     sums: dict[tuple, ir.Value] = {}  # the block sums' nodes and constants, by what they are of
     made = {}
     for group in groups.values():
         group.sort(key=lambda n: (_family(n.name, kept[n.name]["minimums"]) or (0, 0))[1])
         info, x, base = kept[group[0].name], group[0].inputs[0], group[0].name
+        block = info.get("block", 32)  # Q6_K's scales are per 16 weights; every other type's per 32
         b = np.concatenate([arrays[f"{n.name}/B"] for n in group])
         scales = np.concatenate([arrays[f"{n.name}/scales"] for n in group])
-        n_out, k = b.shape[0], b.shape[1] * 32
-        zp = np.full((n_out, k // 32), info["zero_point"], np.uint8) if info["bits"] == 4 else None
+        n_out, k = b.shape[0], b.shape[1] * block
+        zp = np.full((n_out, k // block), info["zero_point"], np.uint8) if info["bits"] == 4 else None
         anchor = min(group, key=list(graph).index)
         digits = remainders = None
         if info["minimums"]:
             minimums = np.concatenate([arrays[f"{n.name}/minimums"] for n in group])  # [N, K/32]
-            zp, remainders = centred(scales, minimums, info["zero_point"])
-            if accuracy_level == MATMUL_NBITS_ACCURACY_LEVEL:
-                digits = minimum_digits(remainders)
+            if info["bits"] == 4:
+                zp, remainders = centred(scales, minimums, info["zero_point"])
+                if accuracy_level == MATMUL_NBITS_ACCURACY_LEVEL:
+                    digits = minimum_digits(remainders)
+            else:  # 8-bit codes of a 5-bit type (Q5_1, Q5_K): the minimums' float term, uncentred
+                remainders = minimums
         if digits is not None:  # the minimums as further 4-bit blocks of the same kernel, over the block sums
             codes, digit_scales, d = digits
             padded = codes.shape[1] // d
@@ -546,8 +550,8 @@ def gguf_linears(model: ir.Model, arrays, kept: dict[str, dict], accuracy_level:
         inputs = [x, _const(graph, f"{base}/gguf.B", b), _const(graph, f"{base}/gguf.scales", scales.reshape(-1))]
         if zp is not None and (zp != 8).any():  # MatMulNBits' default zero point is 2^(bits-1)
             inputs.append(_const(graph, f"{base}/gguf.zero_points", pack_zero_points(zp)))
-        y = _op(graph, anchor, "MatMulNBits", inputs, f"{base}/gguf", domain=MS, K=b.shape[1] * 32, N=n_out,
-                bits=info["bits"], block_size=32,
+        y = _op(graph, anchor, "MatMulNBits", inputs, f"{base}/gguf", domain=MS, K=b.shape[1] * block, N=n_out,
+                bits=info["bits"], block_size=block,
                 accuracy_level=accuracy_level if info["bits"] == 4 else MATMUL_NBITS_ACCURACY_LEVEL)
         if remainders is not None and digits is None:
             r = _const(graph, f"{base}/gguf.minimums", np.ascontiguousarray(remainders.T))

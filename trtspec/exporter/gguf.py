@@ -9,15 +9,18 @@ layer stored in a type we can run as it is, the file's own codes in the layout o
     Q4_1  d * q + m            4-bit codes, zero point 0, scale d, and m per block (see the build's ``gguf_linears``)
     Q4_K  d*sc * q - dmin*mn   4-bit codes per 32, scale d*sc, minimum -dmin*mn (the 256-block's 6-bit sc/mn)
     Q8_0  d * q                8-bit codes q + 128, zero point 128, scale d
+    Q5_0, Q5_1, Q5_K           8-bit codes q + 128 - z, zero point 128 (Q5_1, Q5_K: and their minimums)
+    Q6_K  d*sc * (q - 32)      8-bit codes q + 96, zero point 128, scale d*sc per block of 16
 
-every one per block of 32 weights along the input axis, which is MatMulNBits' blocking. The minimum of Q4_1/Q4_K
-has no place in MatMulNBits' integer zero point; its float zero point takes it, but onnxruntime 1.32 runs that
-form 35x slower (dequantize, then a float GEMM: 757 vs 21 us for a 1536x576 layer, bench_gguf_kernels.py), so the build adds the
-minimum's term as ``blocksum(x) @ M^T`` instead, the exact rewrite of sum_i x_i (d q_i + m) that llama.cpp's own
-Q4_1 dot product uses. Each kept tensor is checked at export: its codes, scales and minimums, put together as the
-engine reads them, equal the float weights transformers dequantized, bit for bit, after llama.cpp's permutation
-of the query/key rows is undone (found by trying it, not assumed). Other types (Q5_*, Q6_K, IQ*) are not kept:
-the build quantizes their float weights to 4 bits itself and records the error.
+(kernels/blocks.py decodes every type), per block of 32 weights along the input axis but Q6_K's 16. The 5- and
+6-bit types have no 5- or 6-bit MatMulNBits; their codes are kept exactly at 8 bits, never rounded again. The
+minimum of Q4_1/Q4_K has no place in MatMulNBits' integer zero point; its float zero point takes it, but
+onnxruntime 1.32 runs that form 35x slower (dequantize, then a float GEMM: 757 vs 21 us for a 1536x576 layer,
+bench_gguf_kernels.py), so the build adds the minimum's term as ``blocksum(x) @ M^T`` instead, the exact rewrite of
+sum_i x_i (d q_i + m) that llama.cpp's own Q4_1 dot product uses. Each kept tensor is checked at export: its codes,
+scales and minimums, put together as the engine reads them, equal the float weights transformers dequantized, bit
+for bit, after llama.cpp's permutation of the query/key rows is undone (found by trying it, not assumed). Other
+types (IQ*, Q2_K, Q3_K) are not kept: the build quantizes their float weights to 4 bits itself and records the error.
 """
 
 from __future__ import annotations
@@ -28,13 +31,13 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import UnsupportedModelError
+from ..kernels import blocks
 from ..quantization.int4_packing import pack_codes
 
 log = logging.getLogger("trtspec.export")
 
-BLOCK = 32  # weights per block along the input axis, for every kept type
 BLOCKS_FILE = "blocks.npz"
-KEPT_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q8_0")
+KEPT_TYPES = blocks.TYPES
 
 
 def find_gguf(path: Path) -> Path | None:
@@ -116,63 +119,36 @@ def load(path: Path, dtype: str):
 
 # ---- the file's codes in MatMulNBits' layout -------------------------------------------------------------------
 
-def _nibbles(qs: np.ndarray) -> np.ndarray:
-    """[..., 16] bytes of a 32-weight block, ggml's order (weight j in byte j's low nibble, j + 16 in its high
-    nibble) -> the 32 codes [..., 32]."""
-    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
-
-
-def _f16(b: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)
-
-
 def unpack(type_name: str, raw: np.ndarray, n: int, k: int) -> dict:
-    """One tensor's blocks (``raw``: its bytes, [n, bytes per row]) -> codes [n, k] (uint8), scales [n, k/32]
-    (float32), zero_point (int) and minimums [n, k/32] (float32, or None): weight = scale * (code - zero_point)
-    + minimum, per block of 32 along k."""
-    raw = np.asarray(raw, dtype=np.uint8).reshape(n, -1)
-    if type_name == "Q4_0":
-        b = raw.reshape(n, k // 32, 18)
-        return {"codes": _nibbles(b[..., 2:]).reshape(n, k), "scales": _f16(b[..., 0:2]), "zero_point": 8,
-                "minimums": None, "bits": 4}
-    if type_name == "Q4_1":
-        b = raw.reshape(n, k // 32, 20)
-        return {"codes": _nibbles(b[..., 4:]).reshape(n, k), "scales": _f16(b[..., 0:2]), "zero_point": 0,
-                "minimums": _f16(b[..., 2:4]), "bits": 4}
-    if type_name == "Q8_0":
-        b = raw.reshape(n, k // 32, 34)
-        codes = (b[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
-        return {"codes": codes.reshape(n, k), "scales": _f16(b[..., 0:2]), "zero_point": 128, "minimums": None,
-                "bits": 8}
-    if type_name == "Q4_K":
-        from gguf.quants import Q4_K
-
-        b = raw.reshape(n * (k // 256), 144)
-        d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
-        sc, mn = Q4_K.get_scale_min(b[:, 4:16])
-        scales = (d[:, None] * sc.astype(np.float32)).reshape(n, k // 32)
-        minimums = -(dmin[:, None] * mn.astype(np.float32)).reshape(n, k // 32)
-        qs = b[:, 16:].reshape(-1, 4, 32)  # 4 x 32 bytes: sub-blocks 2j (low nibbles) and 2j + 1 (high)
-        codes = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(n, k)
-        return {"codes": codes, "scales": scales, "zero_point": 0, "minimums": minimums, "bits": 4}
-    raise ValueError(f"GGUF type {type_name} is not kept as it is; choose one of {', '.join(KEPT_TYPES)}")
+    """One tensor's blocks (``raw``: its bytes, [n, bytes per row]) -> MatMulNBits' form: codes [n, k] (uint8),
+    scales [n, k/block] (float32), zero_point (int), minimums [n, k/block] (float32, or None), bits and block:
+    weight = scale * (code - zero_point) + minimum. 4-bit types keep their codes; the others become 8-bit codes
+    with zero point 128, exactly (code + 128 - the type's own zero point)."""
+    if type_name not in KEPT_TYPES:
+        raise ValueError(f"GGUF type {type_name} is not kept as it is; choose one of {', '.join(KEPT_TYPES)}")
+    b = blocks.decode(type_name, raw, n, k)
+    codes, zero = b.codes, b.zero
+    if b.bits > 4:
+        codes, zero = (b.codes.astype(np.int16) + (128 - b.zero)).astype(np.uint8), 128
+    return {"codes": codes, "scales": b.scales, "zero_point": zero, "minimums": b.minimums,
+            "bits": 4 if b.bits == 4 else 8, "block": b.group}
 
 
-def weights_of(blocks: dict) -> np.ndarray:
+def weights_of(unpacked: dict) -> np.ndarray:
     """The float weights [n, k] the engine computes with: scale * (code - zero_point) [+ minimum], the arithmetic
     of gguf's own dequantize()."""
-    n, k = blocks["codes"].shape
-    codes = blocks["codes"].reshape(n, k // BLOCK, BLOCK).astype(np.float32) - np.float32(blocks["zero_point"])
-    w = blocks["scales"][..., None] * codes
-    if blocks["minimums"] is not None:
-        w = w + blocks["minimums"][..., None]
+    n, k = unpacked["codes"].shape
+    block = unpacked["block"]
+    codes = unpacked["codes"].reshape(n, k // block, block).astype(np.float32) - np.float32(unpacked["zero_point"])
+    w = unpacked["scales"][..., None] * codes
+    if unpacked["minimums"] is not None:
+        w = w + unpacked["minimums"][..., None]
     return w.reshape(n, k)
 
 
-def pack(blocks: dict) -> np.ndarray:
-    """MatMulNBits' B [n, k/32, 32 * bits / 8] of a tensor's codes (quantization/int4_packing.py)."""
-    return pack_codes(blocks["codes"], blocks["bits"], BLOCK)
-
+def pack(unpacked: dict) -> np.ndarray:
+    """MatMulNBits' B [n, k/block, block * bits / 8] of a tensor's codes (quantization/int4_packing.py)."""
+    return pack_codes(unpacked["codes"], unpacked["bits"], unpacked["block"])
 
 
 def _row_orders(n: int, num_heads: int, num_kv_heads: int) -> list[tuple[str, np.ndarray | None]]:
@@ -218,11 +194,11 @@ def keep_blocks(path: Path, hf, linears: dict[str, np.ndarray], num_heads: int, 
         if type_name not in KEPT_TYPES:
             others[node] = f"{type_name}: not a type kept as it is"
             continue
-        if k % (256 if type_name == "Q4_K" else BLOCK):
+        if k % blocks.FORMATS[type_name][2]:
             others[node] = f"{type_name}: input size {k} is not a whole number of blocks"
             continue
-        blocks = unpack(type_name, t.data, n, k)
-        deq = weights_of(blocks)
+        unpacked = unpack(type_name, t.data, n, k)
+        deq = weights_of(unpacked)
         for how, rows in _row_orders(n, num_heads, num_kv_heads):
             if np.array_equal(deq if rows is None else deq[rows], w):
                 break
@@ -231,14 +207,14 @@ def keep_blocks(path: Path, hf, linears: dict[str, np.ndarray], num_heads: int, 
                             "(in every known row order)")
             continue
         if rows is not None:
-            blocks = {**blocks, "codes": blocks["codes"][rows], "scales": blocks["scales"][rows],
-                      "minimums": None if blocks["minimums"] is None else blocks["minimums"][rows]}
-        arrays[f"{node}/B"] = pack(blocks)
-        arrays[f"{node}/scales"] = np.ascontiguousarray(blocks["scales"])
-        if blocks["minimums"] is not None:
-            arrays[f"{node}/minimums"] = np.ascontiguousarray(blocks["minimums"])
-        kept[node] = {"type": type_name, "tensor": t.name, "bits": blocks["bits"],
-                      "zero_point": blocks["zero_point"], "minimums": blocks["minimums"] is not None,
+            unpacked = {**unpacked, "codes": unpacked["codes"][rows], "scales": unpacked["scales"][rows],
+                        "minimums": None if unpacked["minimums"] is None else unpacked["minimums"][rows]}
+        arrays[f"{node}/B"] = pack(unpacked)
+        arrays[f"{node}/scales"] = np.ascontiguousarray(unpacked["scales"])
+        if unpacked["minimums"] is not None:
+            arrays[f"{node}/minimums"] = np.ascontiguousarray(unpacked["minimums"])
+        kept[node] = {"type": type_name, "tensor": t.name, "bits": unpacked["bits"], "block": unpacked["block"],
+                      "zero_point": unpacked["zero_point"], "minimums": unpacked["minimums"] is not None,
                       "rows": how}
     if progress is not None:
         progress.update(len(linears))
