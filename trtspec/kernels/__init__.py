@@ -1,0 +1,85 @@
+"""Our own GGUF kernels: a linear layer on a GGUF file's own blocks, as a torch op.
+
+    from trtspec import kernels
+    b = kernels.decode("Q4_1", raw_bytes, n, k)     # the file's blocks, exactly (blocks.py)
+    layer = kernels.pack(b)                          # the kernels' layout, once (layout.py)
+    y = kernels.linear(x, layer, int8_activations=True)   # torch.ops.trtspec.gguf_linear
+
+Every type of common GGUF mixes (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) with its scales and minimums
+exact; float activations (closest to float32) or int8 activations rounded per block of 32 (llama.cpp's q8_1 idea,
+faster). One kernel for any number of rows reads each block once for all rows of a call, and a row's result does
+not depend on how many rows share the call, nor on the thread count, nor on the instruction set path
+(csrc/gguf_linear.h). The C++ is compiled with the machine's compiler at first use and cached (build.py); where
+that fails, the op is defined in plain torch instead (torch_path.py), with a warning saying why.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+import numpy as np
+import torch
+
+from . import build, torch_path
+from .blocks import TYPES, Blocks, decode, dequantize
+from .layout import Packed, pack, unpack
+
+__all__ = ["TYPES", "Blocks", "Packed", "decode", "dequantize", "pack", "unpack", "load", "linear", "status",
+           "paths", "use_path"]
+
+_status: dict = {}
+
+
+def load(progress=sys.stderr) -> str:
+    """Make torch.ops.trtspec.gguf_linear available; returns "native" (the compiled kernels) or "torch" (the
+    pure-torch path, where they could not be built)."""
+    if _status:
+        return _status["backend"]
+    try:
+        lib = build.library(progress)
+        torch.ops.load_library(str(lib))
+        _status.update(backend="native", library=str(lib))
+    except (build.CompilerMissing, RuntimeError, OSError) as e:
+        warnings.warn(f"trtspec's GGUF kernels could not be built ({e}); GGUF layers run on the pure-torch path, "
+                      "several times slower. Install a C++ compiler (Debian: apt install g++) or point TRTSPEC_CXX "
+                      "at one, then run again.", RuntimeWarning, stacklevel=2)
+        torch_path.register()
+        _status.update(backend="torch", reason=str(e))
+    torch.library.register_fake("trtspec::gguf_linear")(_fake)
+    return _status["backend"]
+
+
+def _fake(x, packed, n, k, bits, group, zero, has_min, int8_activations):
+    # torch.export / AOTInductor trace with this: the output's shape and dtype only
+    return x.new_empty((*x.shape[:-1], n))
+
+
+def status() -> dict:
+    """{"backend": "native" | "torch", "library" or "reason", "path": the ISA path in use}."""
+    load()
+    return {**_status, "path": torch.ops.trtspec.gguf_kernel_path("")}
+
+
+def paths() -> list[str]:
+    """The kernel paths this CPU runs, fastest first (e.g. ["avx512vnni", "avx512", "avx2", "reference"])."""
+    load()
+    return list(torch.ops.trtspec.gguf_kernel_paths())
+
+
+def use_path(name: str) -> str:
+    """Run every later call on path ``name`` (benchmarks and tests; the fastest is chosen at load)."""
+    load()
+    return torch.ops.trtspec.gguf_kernel_path(name)
+
+
+def as_tensor(layer: Packed) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(layer.data))
+
+
+def linear(x: torch.Tensor, layer: Packed, int8_activations: bool = False, data: torch.Tensor | None = None):
+    """x [..., k] float32 -> x @ W^T [..., n] for the GGUF layer ``layer`` (``data``: its bytes as a tensor,
+    to skip the conversion on every call)."""
+    load()
+    return torch.ops.trtspec.gguf_linear(x, as_tensor(layer) if data is None else data, layer.n, layer.k, layer.bits,
+                                         layer.group, layer.zero, layer.has_min, int8_activations)

@@ -1,0 +1,171 @@
+// AVX2 + FMA (e.g. AMD Zen 3). A panel's 16 columns are two ymm halves, done one after the other (a half reads
+// 32 of each 64-byte block; the panel stays in L1 between them), R <= 4 rows at a time: 16 ymm registers hold R
+// int32 sums, R int16 partial sums and R float sums. maddubs' int16 pair sums add up over kInt16Steps steps of a
+// group before madd widens them (the bounds of gguf_linear_avx512.h), so a 4-bit group costs one madd per row.
+#pragma GCC target("avx2,fma")
+#include <immintrin.h>
+
+#include "gguf_linear.h"
+#include "quantize_rows.h"
+
+namespace trtspec_gguf {
+namespace {
+
+constexpr int kMaxRows = 4;
+typedef int32_t unaligned_i32 __attribute__((may_alias, aligned(1)));  // four activation bytes from any address
+constexpr int kHalf = 8;  // columns of a ymm register
+
+template <int BITS> constexpr int kGroup = BITS == 6 ? 16 : 32;
+template <int BITS> constexpr int kSteps = kGroup<BITS> / 4;
+template <int BITS> constexpr int kInt16Steps = BITS == 4 ? 8 : BITS == 5 ? 4 : BITS == 6 ? 2 : 1;
+
+// Step s of a group, columns 8h .. 8h + 7: 32 codes, byte c*4 + t for column 8h + c at k = 4s + t.
+template <int BITS>
+inline __m256i codes_of(const uint8_t* group, int s, int h) {
+  if constexpr (BITS == 8) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + 64 * s + 32 * h));
+  } else {
+    constexpr int half = kSteps<BITS> / 2;
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + 64 * (s % half) + 32 * h));
+    __m256i q = s < half ? _mm256_and_si256(b, low4) : _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);
+    if constexpr (BITS == 5 || BITS == 6) {
+      const __m256i plane = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + 64 * half + 32 * h));
+      const __m128i shift = _mm_cvtsi32_si128(BITS == 5 ? s : 2 * s);
+      const __m256i high = _mm256_and_si256(_mm256_srl_epi16(plane, shift), _mm256_set1_epi8(BITS == 5 ? 1 : 3));
+      q = _mm256_or_si256(q, _mm256_slli_epi16(high, 4));
+    }
+    return q;
+  }
+}
+
+template <int BITS, int R>
+void int8_rows(const Weights& w, const uint8_t* panel, const Int8Rows& x, int64_t r0, float* y, int64_t ldy,
+               int64_t col0) {
+  constexpr int G = kGroup<BITS>, S = kSteps<BITS>;
+  const int64_t blocks32 = w.k / 32;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < w.groups; ++g) {
+      const uint8_t* group = panel + g * w.group_bytes;
+      const int8_t* a0 = x.q + r0 * w.k + g * G;
+      __m256i dot[R], part[R];
+      for (int r = 0; r < R; ++r) dot[r] = part[r] = _mm256_setzero_si256();
+      for (int s = 0; s < S; ++s) {
+        const __m256i q = codes_of<BITS>(group, s, h);
+        const __m256i uq = BITS == 8 ? _mm256_abs_epi8(q) : q;
+        for (int r = 0; r < R; ++r) {
+          __m256i a = _mm256_set1_epi32(*reinterpret_cast<const unaligned_i32*>(a0 + r * w.k + 4 * s));
+          if constexpr (BITS == 8) a = _mm256_sign_epi8(a, q);
+          part[r] = _mm256_add_epi16(part[r], _mm256_maddubs_epi16(uq, a));
+          if ((s + 1) % kInt16Steps<BITS> == 0) {
+            dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(part[r], ones));
+            part[r] = _mm256_setzero_si256();
+          }
+        }
+      }
+      const __m256 scale = _mm256_loadu_ps(reinterpret_cast<const float*>(group + w.codes_bytes) + kHalf * h);
+      const __m256 minimum = w.has_min
+          ? _mm256_loadu_ps(reinterpret_cast<const float*>(group + w.codes_bytes + 64) + kHalf * h)
+          : _mm256_setzero_ps();
+      for (int r = 0; r < R; ++r) {
+        const int32_t asum = x.sum[(r0 + r) * w.groups + g];
+        const __m256i idot = _mm256_sub_epi32(dot[r], _mm256_set1_epi32(w.zero * asum));
+        __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(idot), scale);
+        if (w.has_min) t = _mm256_add_ps(t, _mm256_mul_ps(minimum, _mm256_set1_ps(static_cast<float>(asum))));
+        const __m256 s32 = _mm256_set1_ps(x.scale[(r0 + r) * blocks32 + g * G / 32]);
+        acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(t, s32));
+      }
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (r0 + r) * ldy + col0 + kHalf * h, acc[r]);
+  }
+}
+
+template <int BITS, int R>
+void float_rows(const Weights& w, const uint8_t* panel, const float* x, int64_t r0, float* y, int64_t ldy,
+                int64_t col0) {
+  constexpr int G = kGroup<BITS>, S = kSteps<BITS>;
+  const __m256i zero = _mm256_set1_epi32(w.zero), byte = _mm256_set1_epi32(0xFF);
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < w.groups; ++g) {
+      const uint8_t* group = panel + g * w.group_bytes;
+      const float* xg = x + r0 * w.k + g * G;
+      const __m256 scale = _mm256_loadu_ps(reinterpret_cast<const float*>(group + w.codes_bytes) + kHalf * h);
+      const __m256 minimum = w.has_min
+          ? _mm256_loadu_ps(reinterpret_cast<const float*>(group + w.codes_bytes + 64) + kHalf * h)
+          : _mm256_setzero_ps();
+      for (int s = 0; s < S; ++s) {
+        const __m256i q = codes_of<BITS>(group, s, h);
+        for (int t = 0; t < 4; ++t) {
+          __m256i qt;
+          if constexpr (BITS == 8) {
+            qt = _mm256_sra_epi32(_mm256_sll_epi32(q, _mm_cvtsi32_si128(24 - 8 * t)), _mm_cvtsi32_si128(24));
+          } else {
+            qt = _mm256_and_si256(_mm256_srl_epi32(q, _mm_cvtsi32_si128(8 * t)), byte);
+          }
+          __m256 wt = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(qt, zero)), scale);
+          if (w.has_min) wt = _mm256_add_ps(wt, minimum);
+          for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(wt, _mm256_set1_ps(xg[r * w.k + 4 * s + t]), acc[r]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (r0 + r) * ldy + col0 + kHalf * h, acc[r]);
+  }
+}
+
+template <int BITS, bool INT8, typename X>
+void panels(const Weights& w, const X& x, int64_t m, float* y, int64_t ldy, int64_t p0, int64_t p1) {
+  const int64_t panel_bytes = w.groups * w.group_bytes;
+  for (int64_t p = p0; p < p1; ++p) {
+    const uint8_t* panel = w.data + p * panel_bytes;
+    const int64_t col0 = p * kPanel;
+    for (int64_t r = 0; r < m; r += kMaxRows) {
+      const int64_t n = m - r < kMaxRows ? m - r : kMaxRows;
+      if constexpr (INT8) {
+        switch (n) {
+          case 4: int8_rows<BITS, 4>(w, panel, x, r, y, ldy, col0); break;
+          case 3: int8_rows<BITS, 3>(w, panel, x, r, y, ldy, col0); break;
+          case 2: int8_rows<BITS, 2>(w, panel, x, r, y, ldy, col0); break;
+          default: int8_rows<BITS, 1>(w, panel, x, r, y, ldy, col0); break;
+        }
+      } else {
+        switch (n) {
+          case 4: float_rows<BITS, 4>(w, panel, x, r, y, ldy, col0); break;
+          case 3: float_rows<BITS, 3>(w, panel, x, r, y, ldy, col0); break;
+          case 2: float_rows<BITS, 2>(w, panel, x, r, y, ldy, col0); break;
+          default: float_rows<BITS, 1>(w, panel, x, r, y, ldy, col0); break;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void int8_avx2(const Weights& w, const Int8Rows& x, float* y, int64_t ldy, int64_t p0, int64_t p1) {
+  switch (w.bits) {
+    case 4: panels<4, true>(w, x, x.m, y, ldy, p0, p1); break;
+    case 5: panels<5, true>(w, x, x.m, y, ldy, p0, p1); break;
+    case 6: panels<6, true>(w, x, x.m, y, ldy, p0, p1); break;
+    default: panels<8, true>(w, x, x.m, y, ldy, p0, p1); break;
+  }
+}
+
+void float_avx2(const Weights& w, const float* x, int64_t m, float* y, int64_t ldy, int64_t p0, int64_t p1) {
+  switch (w.bits) {
+    case 4: panels<4, false>(w, x, m, y, ldy, p0, p1); break;
+    case 5: panels<5, false>(w, x, m, y, ldy, p0, p1); break;
+    case 6: panels<6, false>(w, x, m, y, ldy, p0, p1); break;
+    default: panels<8, false>(w, x, m, y, ldy, p0, p1); break;
+  }
+}
+
+void quantize_avx2(const float* x, int64_t m, int64_t k, int64_t group, int8_t* q, float* scale, int32_t* sum) {
+  quantize_rows_impl(x, m, k, group, q, scale, sum);
+}
+
+}  // namespace trtspec_gguf

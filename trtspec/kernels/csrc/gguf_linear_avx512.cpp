@@ -1,0 +1,17 @@
+// AVX-512 (F, BW, VL, DQ) without VNNI: maddubs pair sums in int16, widened by madd (gguf_linear_avx512.h).
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma")
+#include "gguf_linear_avx512.h"
+#include "quantize_rows.h"
+
+namespace trtspec_gguf {
+void int8_avx512(const Weights& w, const Int8Rows& x, float* y, int64_t ldy, int64_t p0, int64_t p1) {
+  int8_any(w, x, y, ldy, p0, p1);
+}
+void float_avx512(const Weights& w, const float* x, int64_t m, float* y, int64_t ldy, int64_t p0, int64_t p1) {
+  float_any(w, x, m, y, ldy, p0, p1);
+}
+void quantize_avx512(const float* x, int64_t m, int64_t k, int64_t group, int8_t* q, float* scale, int32_t* sum) {
+  quantize_rows_impl(x, m, k, group, q, scale, sum);
+}
+
+}  // namespace trtspec_gguf

@@ -1,0 +1,188 @@
+// The AVX-512 kernels, included by gguf_linear_avx512.cpp (AVX-512BW: maddubs + madd) and (with TRTSPEC_VNNI)
+// gguf_linear_avx512vnni.cpp (vpdpbusd), each after its own #pragma GCC target. Everything here has internal
+// linkage, so the two compilations never share a function.
+//
+// One zmm register is a panel's 16 columns: int32 lanes for the integer dot products, float32 lanes for the
+// sums. A call's rows go through a panel R at a time (R <= 8: 2R accumulators, plus R int16 partial sums without
+// VNNI, within the 32 registers), so the panel's bytes come from memory once and from L1 for the next R rows.
+#include <immintrin.h>
+
+#include "gguf_linear.h"
+
+namespace trtspec_gguf {
+namespace {
+
+constexpr int kMaxRows = 8;
+// Four activation bytes read as one int32 from any address: the compiler folds it into vpdpbusd's broadcast operand.
+typedef int32_t unaligned_i32 __attribute__((may_alias, aligned(1)));
+
+template <int BITS> constexpr int kGroup = BITS == 6 ? 16 : 32;
+template <int BITS> constexpr int kSteps = kGroup<BITS> / 4;
+// Without VNNI, maddubs' int16 pair sums of one step are at most 2 * qmax * 127; this many steps add up in int16
+// before they are widened to int32 without overflow (4 bits: 8 * 3810 = 30480; 5: 4 * 7874; 6: 2 * 16002; 8: one
+// step of 2 * 128 * 127 after the sign trick).
+template <int BITS> constexpr int kInt16Steps = BITS == 4 ? 8 : BITS == 5 ? 4 : BITS == 6 ? 2 : 1;
+
+// Step s of a group: 64 codes, byte c*4 + t for column c at k = 4s + t. Unsigned for 4, 5 and 6 bits, signed for 8.
+template <int BITS>
+inline __m512i codes_of(const uint8_t* group, int s) {
+  if constexpr (BITS == 8) {
+    return _mm512_loadu_si512(group + 64 * s);
+  } else {
+    constexpr int half = kSteps<BITS> / 2;
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    const __m512i b = _mm512_loadu_si512(group + 64 * (s % half));
+    __m512i q = s < half ? _mm512_and_si512(b, low4) : _mm512_and_si512(_mm512_srli_epi16(b, 4), low4);
+    if constexpr (BITS == 5 || BITS == 6) {
+      const __m512i plane = _mm512_loadu_si512(group + 64 * half);
+      const __m128i shift = _mm_cvtsi32_si128(BITS == 5 ? s : 2 * s);
+      const __m512i high = _mm512_and_si512(_mm512_srl_epi16(plane, shift), _mm512_set1_epi8(BITS == 5 ? 1 : 3));
+      q = _mm512_or_si512(q, _mm512_slli_epi16(high, 4));  // a byte's high bits stay in that byte: values <= 3
+    }
+    return q;
+  }
+}
+
+// maddubs needs an unsigned left operand: a signed code's sign moves onto the activation.
+inline __m512i abs_codes(__m512i q) { return _mm512_abs_epi8(q); }
+inline __m512i signed_like(__m512i a, __m512i q) {
+  return _mm512_mask_sub_epi8(a, _mm512_movepi8_mask(q), _mm512_setzero_si512(), a);
+}
+
+template <int BITS, int R>
+void int8_rows(const Weights& w, const uint8_t* panel, const Int8Rows& x, int64_t r0, float* y, int64_t ldy,
+               int64_t col0) {
+  constexpr int G = kGroup<BITS>, S = kSteps<BITS>;
+  const int64_t blocks32 = w.k / 32;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < w.groups; ++g) {
+    const uint8_t* group = panel + g * w.group_bytes;
+    const int8_t* a0 = x.q + r0 * w.k + g * G;
+    __m512i dot[R];
+    for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
+#ifndef TRTSPEC_VNNI
+    const __m512i ones = _mm512_set1_epi16(1);
+    __m512i part[R];
+    for (int r = 0; r < R; ++r) part[r] = _mm512_setzero_si512();
+#endif
+#ifdef TRTSPEC_VNNI
+    __m512i odd[R];  // a second chain of vpdpbusd for odd steps (integer sums: the order changes nothing)
+    for (int r = 0; r < R; ++r) odd[r] = _mm512_setzero_si512();
+#endif
+    for (int s = 0; s < S; ++s) {
+      __m512i q = codes_of<BITS>(group, s);
+      const __m512i uq = BITS == 8 ? abs_codes(q) : q;
+      for (int r = 0; r < R; ++r) {
+        __m512i a = _mm512_set1_epi32(*reinterpret_cast<const unaligned_i32*>(a0 + r * w.k + 4 * s));
+        if constexpr (BITS == 8) a = signed_like(a, q);
+#ifdef TRTSPEC_VNNI
+        if (s % 2) odd[r] = _mm512_dpbusd_epi32(odd[r], uq, a);
+        else dot[r] = _mm512_dpbusd_epi32(dot[r], uq, a);
+#else
+        part[r] = _mm512_add_epi16(part[r], _mm512_maddubs_epi16(uq, a));
+        if ((s + 1) % kInt16Steps<BITS> == 0) {
+          dot[r] = _mm512_add_epi32(dot[r], _mm512_madd_epi16(part[r], ones));
+          part[r] = _mm512_setzero_si512();
+        }
+#endif
+      }
+    }
+#ifdef TRTSPEC_VNNI
+    for (int r = 0; r < R; ++r) dot[r] = _mm512_add_epi32(dot[r], odd[r]);
+#endif
+    const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(group + w.codes_bytes));
+    const __m512 minimum =
+        w.has_min ? _mm512_loadu_ps(reinterpret_cast<const float*>(group + w.codes_bytes + 64)) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      const int32_t asum = x.sum[(r0 + r) * w.groups + g];
+      const __m512i idot = _mm512_sub_epi32(dot[r], _mm512_set1_epi32(w.zero * asum));
+      __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(idot), scale);
+      if (w.has_min) t = _mm512_add_ps(t, _mm512_mul_ps(minimum, _mm512_set1_ps(static_cast<float>(asum))));
+      const __m512 s32 = _mm512_set1_ps(x.scale[(r0 + r) * blocks32 + g * G / 32]);
+      acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(t, s32));
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + (r0 + r) * ldy + col0, acc[r]);
+}
+
+template <int BITS, int R>
+void float_rows(const Weights& w, const uint8_t* panel, const float* x, int64_t r0, float* y, int64_t ldy,
+                int64_t col0) {
+  constexpr int G = kGroup<BITS>, S = kSteps<BITS>;
+  const __m512i zero = _mm512_set1_epi32(w.zero), byte = _mm512_set1_epi32(0xFF);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < w.groups; ++g) {
+    const uint8_t* group = panel + g * w.group_bytes;
+    const float* xg = x + r0 * w.k + g * G;
+    const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(group + w.codes_bytes));
+    const __m512 minimum =
+        w.has_min ? _mm512_loadu_ps(reinterpret_cast<const float*>(group + w.codes_bytes + 64)) : _mm512_setzero_ps();
+    for (int s = 0; s < S; ++s) {
+      const __m512i q = codes_of<BITS>(group, s);
+      for (int t = 0; t < 4; ++t) {
+        __m512i qt;
+        if constexpr (BITS == 8) {  // sign-extend byte t of each lane
+          qt = _mm512_sra_epi32(_mm512_sll_epi32(q, _mm_cvtsi32_si128(24 - 8 * t)), _mm_cvtsi32_si128(24));
+        } else {
+          qt = _mm512_and_si512(_mm512_srl_epi32(q, _mm_cvtsi32_si128(8 * t)), byte);
+        }
+        __m512 wt = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(qt, zero)), scale);
+        if (w.has_min) wt = _mm512_add_ps(wt, minimum);
+        for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(wt, _mm512_set1_ps(xg[r * w.k + 4 * s + t]), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + (r0 + r) * ldy + col0, acc[r]);
+}
+
+// Rows R at a time, the last tile with a kernel of exactly its rows: a row's sums go through the same steps
+// whichever tile it lands in.
+template <int BITS, bool INT8, int R, typename X>
+inline void rows(const Weights& w, const uint8_t* panel, const X& x, int64_t r0, float* y, int64_t ldy, int64_t col0) {
+  if constexpr (INT8) int8_rows<BITS, R>(w, panel, x, r0, y, ldy, col0);
+  else float_rows<BITS, R>(w, panel, x, r0, y, ldy, col0);
+}
+
+template <int BITS, bool INT8, typename X>
+void panels(const Weights& w, const X& x, int64_t m, float* y, int64_t ldy, int64_t p0, int64_t p1) {
+  const int64_t panel_bytes = w.groups * w.group_bytes;
+  for (int64_t p = p0; p < p1; ++p) {
+    const uint8_t* panel = w.data + p * panel_bytes;
+    const int64_t col0 = p * kPanel;
+    for (int64_t r = 0; r < m; r += kMaxRows) {
+      switch (m - r < kMaxRows ? m - r : kMaxRows) {
+        case 8: rows<BITS, INT8, 8>(w, panel, x, r, y, ldy, col0); break;
+        case 7: rows<BITS, INT8, 7>(w, panel, x, r, y, ldy, col0); break;
+        case 6: rows<BITS, INT8, 6>(w, panel, x, r, y, ldy, col0); break;
+        case 5: rows<BITS, INT8, 5>(w, panel, x, r, y, ldy, col0); break;
+        case 4: rows<BITS, INT8, 4>(w, panel, x, r, y, ldy, col0); break;
+        case 3: rows<BITS, INT8, 3>(w, panel, x, r, y, ldy, col0); break;
+        case 2: rows<BITS, INT8, 2>(w, panel, x, r, y, ldy, col0); break;
+        default: rows<BITS, INT8, 1>(w, panel, x, r, y, ldy, col0); break;
+      }
+    }
+  }
+}
+
+void int8_any(const Weights& w, const Int8Rows& x, float* y, int64_t ldy, int64_t p0, int64_t p1) {
+  switch (w.bits) {
+    case 4: panels<4, true>(w, x, x.m, y, ldy, p0, p1); break;
+    case 5: panels<5, true>(w, x, x.m, y, ldy, p0, p1); break;
+    case 6: panels<6, true>(w, x, x.m, y, ldy, p0, p1); break;
+    default: panels<8, true>(w, x, x.m, y, ldy, p0, p1); break;
+  }
+}
+
+void float_any(const Weights& w, const float* x, int64_t m, float* y, int64_t ldy, int64_t p0, int64_t p1) {
+  switch (w.bits) {
+    case 4: panels<4, false>(w, x, m, y, ldy, p0, p1); break;
+    case 5: panels<5, false>(w, x, m, y, ldy, p0, p1); break;
+    case 6: panels<6, false>(w, x, m, y, ldy, p0, p1); break;
+    default: panels<8, false>(w, x, m, y, ldy, p0, p1); break;
+  }
+}
+
+}  // namespace
+}  // namespace trtspec_gguf

@@ -1,0 +1,90 @@
+// The portable path: one column at a time, the arithmetic of gguf_linear.h written out. The tests compare every
+// ISA path with it bit for bit; it also runs where the CPU has no AVX2.
+#include <cmath>
+#include <cstring>
+
+#include "gguf_linear.h"
+#include "quantize_rows.h"
+
+namespace trtspec_gguf {
+namespace {
+
+// The code of column c at position kk (0 .. G-1) of a group, as stored by the layout above.
+int code_at(const Weights& w, const uint8_t* group, int c, int kk) {
+  const int steps = w.group / 4, s = kk / 4, idx = c * 4 + kk % 4;
+  if (w.bits == 8) return static_cast<int8_t>(group[64 * s + idx]);
+  const int half = steps / 2;
+  const uint8_t b = group[64 * (s % half) + idx];
+  int code = s < half ? (b & 0x0F) : (b >> 4);
+  const uint8_t* plane = group + 64 * half;
+  if (w.bits == 5) code |= ((plane[idx] >> s) & 1) << 4;
+  if (w.bits == 6) code |= ((plane[idx] >> (2 * s)) & 3) << 4;
+  return code;
+}
+
+float scale_at(const Weights& w, const uint8_t* group, int c) {
+  float v;
+  std::memcpy(&v, group + w.codes_bytes + 4 * c, 4);
+  return v;
+}
+
+float minimum_at(const Weights& w, const uint8_t* group, int c) {
+  float v;
+  std::memcpy(&v, group + w.codes_bytes + 64 + 4 * c, 4);
+  return v;
+}
+
+}  // namespace
+
+void int8_reference(const Weights& w, const Int8Rows& x, float* y, int64_t ldy, int64_t p0, int64_t p1) {
+  const int64_t panel_bytes = w.groups * w.group_bytes;
+  for (int64_t p = p0; p < p1; ++p) {
+    const uint8_t* panel = w.data + p * panel_bytes;
+    for (int64_t r = 0; r < x.m; ++r) {
+      const int8_t* a = x.q + r * w.k;
+      for (int c = 0; c < kPanel; ++c) {
+        float acc = 0.0f;
+        for (int64_t g = 0; g < w.groups; ++g) {
+          const uint8_t* group = panel + g * w.group_bytes;
+          int32_t dot = 0;
+          for (int kk = 0; kk < w.group; ++kk) dot += code_at(w, group, c, kk) * a[g * w.group + kk];
+          const int32_t asum = x.sum[r * w.groups + g];
+          float t = static_cast<float>(dot - w.zero * asum) * scale_at(w, group, c);
+          if (w.has_min) t = t + minimum_at(w, group, c) * static_cast<float>(asum);
+          acc = acc + t * x.scale[r * (w.k / 32) + g * w.group / 32];
+        }
+        y[r * ldy + p * kPanel + c] = acc;
+      }
+    }
+  }
+}
+
+void float_reference(const Weights& w, const float* x, int64_t m, float* y, int64_t ldy, int64_t p0, int64_t p1) {
+  const int64_t panel_bytes = w.groups * w.group_bytes;
+  for (int64_t p = p0; p < p1; ++p) {
+    const uint8_t* panel = w.data + p * panel_bytes;
+    for (int64_t r = 0; r < m; ++r) {
+      const float* xr = x + r * w.k;
+      for (int c = 0; c < kPanel; ++c) {
+        float acc = 0.0f;
+        for (int64_t g = 0; g < w.groups; ++g) {
+          const uint8_t* group = panel + g * w.group_bytes;
+          const float scale = scale_at(w, group, c);
+          const float minimum = w.has_min ? minimum_at(w, group, c) : 0.0f;
+          for (int kk = 0; kk < w.group; ++kk) {
+            float wt = static_cast<float>(code_at(w, group, c, kk) - w.zero) * scale;
+            if (w.has_min) wt = wt + minimum;
+            acc = std::fma(wt, xr[g * w.group + kk], acc);
+          }
+        }
+        y[r * ldy + p * kPanel + c] = acc;
+      }
+    }
+  }
+}
+
+void quantize_reference(const float* x, int64_t m, int64_t k, int64_t group, int8_t* q, float* scale, int32_t* sum) {
+  quantize_rows_impl(x, m, k, group, q, scale, sum);
+}
+
+}  // namespace trtspec_gguf
