@@ -48,22 +48,28 @@ struct Weights {
   int64_t group_bytes;   // codes + scales (+ minimums)
 };
 
+// A call's activations rounded to int8, laid out so that a tile's rows sit side by side: for each 4 consecutive k
+// (a "chunk", the 4 bytes one int32 lane of the weights meets), the m rows' 4 codes are m consecutive int32; and per
+// group, the m rows' values of what the group's float steps need. One pointer and constant offsets then reach every
+// row of a tile.
 struct Int8Rows {
-  const int8_t* q;       // [m, k]
-  const float* scale;    // [m, k / 32]
-  const int32_t* sum;    // [m, groups], the sum of q over each group
+  const int32_t* q;      // [k / 4, m]: row r's codes at k = 4j .. 4j + 3 in q[j * m + r]
+  const int32_t* zsum;   // [groups, m]: zero point * the sum of the row's codes over the group
+  const float* fsum;     // [groups, m]: that sum (not times the zero point) as float32, for the minimum's term
+  const float* scale;    // [groups, m]: the row's scale of the block of 32 the group lies in
   int64_t m;
 };
 
 // Each computes output panels [p0, p1) for all m rows: y [m, ldy] float32, columns 16 * p ...
 using Int8Kernel = void (*)(const Weights&, const Int8Rows&, float* y, int64_t ldy, int64_t p0, int64_t p1);
 using FloatKernel = void (*)(const Weights&, const float* x, int64_t m, float* y, int64_t ldy, int64_t p0, int64_t p1);
-// x [m, k] -> q [m, k], scale [m, k / 32], sum [m, k / group] (quantize_rows.h)
-using Quantizer = void (*)(const float* x, int64_t m, int64_t k, int64_t group, int8_t* q, float* scale, int32_t* sum);
+// rows [r0, r1) of x [m, k] -> their columns of an Int8Rows' arrays (quantize_rows.h)
+using Quantizer = void (*)(const float* x, int64_t m, int64_t k, int64_t group, int zero, int64_t r0, int64_t r1,
+                           int32_t* q, int32_t* zsum, float* fsum, float* scale);
 
-void quantize_reference(const float*, int64_t, int64_t, int64_t, int8_t*, float*, int32_t*);
-void quantize_avx2(const float*, int64_t, int64_t, int64_t, int8_t*, float*, int32_t*);
-void quantize_avx512(const float*, int64_t, int64_t, int64_t, int8_t*, float*, int32_t*);
+void quantize_reference(const float*, int64_t, int64_t, int64_t, int, int64_t, int64_t, int32_t*, int32_t*, float*, float*);
+void quantize_avx2(const float*, int64_t, int64_t, int64_t, int, int64_t, int64_t, int32_t*, int32_t*, float*, float*);
+void quantize_avx512(const float*, int64_t, int64_t, int64_t, int, int64_t, int64_t, int32_t*, int32_t*, float*, float*);
 void int8_reference(const Weights&, const Int8Rows&, float*, int64_t, int64_t, int64_t);
 void float_reference(const Weights&, const float*, int64_t, float*, int64_t, int64_t, int64_t);
 void int8_avx2(const Weights&, const Int8Rows&, float*, int64_t, int64_t, int64_t);

@@ -12,7 +12,6 @@ namespace trtspec_gguf {
 namespace {
 
 constexpr int kMaxRows = 4;
-typedef int32_t unaligned_i32 __attribute__((may_alias, aligned(1)));  // four activation bytes from any address
 constexpr int kHalf = 8;  // columns of a ymm register
 
 template <int BITS> constexpr int kGroup = BITS == 6 ? 16 : 32;
@@ -42,22 +41,22 @@ inline __m256i codes_of(const uint8_t* group, int s, int h) {
 template <int BITS, int R>
 void int8_rows(const Weights& w, const uint8_t* panel, const Int8Rows& x, int64_t r0, float* y, int64_t ldy,
                int64_t col0) {
-  constexpr int G = kGroup<BITS>, S = kSteps<BITS>;
-  const int64_t blocks32 = w.k / 32;
+  constexpr int S = kSteps<BITS>;
   const __m256i ones = _mm256_set1_epi16(1);
   for (int h = 0; h < 2; ++h) {
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < w.groups; ++g) {
       const uint8_t* group = panel + g * w.group_bytes;
-      const int8_t* a0 = x.q + r0 * w.k + g * G;
+      const int32_t* a0 = x.q + g * S * x.m + r0;  // step s, row r: a0[s * m + r]
       __m256i dot[R], part[R];
       for (int r = 0; r < R; ++r) dot[r] = part[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
       for (int s = 0; s < S; ++s) {
         const __m256i q = codes_of<BITS>(group, s, h);
         const __m256i uq = BITS == 8 ? _mm256_abs_epi8(q) : q;
         for (int r = 0; r < R; ++r) {
-          __m256i a = _mm256_set1_epi32(*reinterpret_cast<const unaligned_i32*>(a0 + r * w.k + 4 * s));
+          __m256i a = _mm256_set1_epi32(a0[s * x.m + r]);
           if constexpr (BITS == 8) a = _mm256_sign_epi8(a, q);
           part[r] = _mm256_add_epi16(part[r], _mm256_maddubs_epi16(uq, a));
           if ((s + 1) % kInt16Steps<BITS> == 0) {
@@ -70,13 +69,12 @@ void int8_rows(const Weights& w, const uint8_t* panel, const Int8Rows& x, int64_
       const __m256 minimum = w.has_min
           ? _mm256_loadu_ps(reinterpret_cast<const float*>(group + w.codes_bytes + 64) + kHalf * h)
           : _mm256_setzero_ps();
+      const int64_t i = g * x.m + r0;
       for (int r = 0; r < R; ++r) {
-        const int32_t asum = x.sum[(r0 + r) * w.groups + g];
-        const __m256i idot = _mm256_sub_epi32(dot[r], _mm256_set1_epi32(w.zero * asum));
+        const __m256i idot = _mm256_sub_epi32(dot[r], _mm256_set1_epi32(x.zsum[i + r]));
         __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(idot), scale);
-        if (w.has_min) t = _mm256_add_ps(t, _mm256_mul_ps(minimum, _mm256_set1_ps(static_cast<float>(asum))));
-        const __m256 s32 = _mm256_set1_ps(x.scale[(r0 + r) * blocks32 + g * G / 32]);
-        acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(t, s32));
+        if (w.has_min) t = _mm256_add_ps(t, _mm256_mul_ps(minimum, _mm256_set1_ps(x.fsum[i + r])));
+        acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(t, _mm256_set1_ps(x.scale[i + r])));
       }
     }
     for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (r0 + r) * ldy + col0 + kHalf * h, acc[r]);
@@ -98,6 +96,7 @@ void float_rows(const Weights& w, const uint8_t* panel, const float* x, int64_t 
       const __m256 minimum = w.has_min
           ? _mm256_loadu_ps(reinterpret_cast<const float*>(group + w.codes_bytes + 64) + kHalf * h)
           : _mm256_setzero_ps();
+#pragma GCC unroll 8
       for (int s = 0; s < S; ++s) {
         const __m256i q = codes_of<BITS>(group, s, h);
         for (int t = 0; t < 4; ++t) {
@@ -164,8 +163,9 @@ void float_avx2(const Weights& w, const float* x, int64_t m, float* y, int64_t l
   }
 }
 
-void quantize_avx2(const float* x, int64_t m, int64_t k, int64_t group, int8_t* q, float* scale, int32_t* sum) {
-  quantize_rows_impl(x, m, k, group, q, scale, sum);
+void quantize_avx2(const float* x, int64_t m, int64_t k, int64_t group, int zero, int64_t r0, int64_t r1, int32_t* q,
+                    int32_t* zsum, float* fsum, float* scale) {
+  quantize_rows_impl(x, m, k, group, zero, r0, r1, q, zsum, fsum, scale);
 }
 
 }  // namespace trtspec_gguf

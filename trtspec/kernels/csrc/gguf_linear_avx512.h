@@ -13,8 +13,6 @@ namespace trtspec_gguf {
 namespace {
 
 constexpr int kMaxRows = 8;
-// Four activation bytes read as one int32 from any address: the compiler folds it into vpdpbusd's broadcast operand.
-typedef int32_t unaligned_i32 __attribute__((may_alias, aligned(1)));
 
 template <int BITS> constexpr int kGroup = BITS == 6 ? 16 : 32;
 template <int BITS> constexpr int kSteps = kGroup<BITS> / 4;
@@ -52,13 +50,12 @@ inline __m512i signed_like(__m512i a, __m512i q) {
 template <int BITS, int R>
 void int8_rows(const Weights& w, const uint8_t* panel, const Int8Rows& x, int64_t r0, float* y, int64_t ldy,
                int64_t col0) {
-  constexpr int G = kGroup<BITS>, S = kSteps<BITS>;
-  const int64_t blocks32 = w.k / 32;
+  constexpr int S = kSteps<BITS>;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < w.groups; ++g) {
     const uint8_t* group = panel + g * w.group_bytes;
-    const int8_t* a0 = x.q + r0 * w.k + g * G;
+    const int32_t* a0 = x.q + g * S * x.m + r0;  // step s, row r: a0[s * m + r]
     __m512i dot[R];
     for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
 #ifndef TRTSPEC_VNNI
@@ -70,11 +67,12 @@ void int8_rows(const Weights& w, const uint8_t* panel, const Int8Rows& x, int64_
     __m512i odd[R];  // a second chain of vpdpbusd for odd steps (integer sums: the order changes nothing)
     for (int r = 0; r < R; ++r) odd[r] = _mm512_setzero_si512();
 #endif
+#pragma GCC unroll 8
     for (int s = 0; s < S; ++s) {
       __m512i q = codes_of<BITS>(group, s);
       const __m512i uq = BITS == 8 ? abs_codes(q) : q;
       for (int r = 0; r < R; ++r) {
-        __m512i a = _mm512_set1_epi32(*reinterpret_cast<const unaligned_i32*>(a0 + r * w.k + 4 * s));
+        __m512i a = _mm512_set1_epi32(a0[s * x.m + r]);
         if constexpr (BITS == 8) a = signed_like(a, q);
 #ifdef TRTSPEC_VNNI
         if (s % 2) odd[r] = _mm512_dpbusd_epi32(odd[r], uq, a);
@@ -94,13 +92,12 @@ void int8_rows(const Weights& w, const uint8_t* panel, const Int8Rows& x, int64_
     const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(group + w.codes_bytes));
     const __m512 minimum =
         w.has_min ? _mm512_loadu_ps(reinterpret_cast<const float*>(group + w.codes_bytes + 64)) : _mm512_setzero_ps();
+    const int64_t i = g * x.m + r0;
     for (int r = 0; r < R; ++r) {
-      const int32_t asum = x.sum[(r0 + r) * w.groups + g];
-      const __m512i idot = _mm512_sub_epi32(dot[r], _mm512_set1_epi32(w.zero * asum));
+      const __m512i idot = _mm512_sub_epi32(dot[r], _mm512_set1_epi32(x.zsum[i + r]));
       __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(idot), scale);
-      if (w.has_min) t = _mm512_add_ps(t, _mm512_mul_ps(minimum, _mm512_set1_ps(static_cast<float>(asum))));
-      const __m512 s32 = _mm512_set1_ps(x.scale[(r0 + r) * blocks32 + g * G / 32]);
-      acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(t, s32));
+      if (w.has_min) t = _mm512_add_ps(t, _mm512_mul_ps(minimum, _mm512_set1_ps(x.fsum[i + r])));
+      acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(t, _mm512_set1_ps(x.scale[i + r])));
     }
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + (r0 + r) * ldy + col0, acc[r]);

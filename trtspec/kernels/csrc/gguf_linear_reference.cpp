@@ -41,17 +41,20 @@ void int8_reference(const Weights& w, const Int8Rows& x, float* y, int64_t ldy, 
   for (int64_t p = p0; p < p1; ++p) {
     const uint8_t* panel = w.data + p * panel_bytes;
     for (int64_t r = 0; r < x.m; ++r) {
-      const int8_t* a = x.q + r * w.k;
       for (int c = 0; c < kPanel; ++c) {
         float acc = 0.0f;
         for (int64_t g = 0; g < w.groups; ++g) {
           const uint8_t* group = panel + g * w.group_bytes;
           int32_t dot = 0;
-          for (int kk = 0; kk < w.group; ++kk) dot += code_at(w, group, c, kk) * a[g * w.group + kk];
-          const int32_t asum = x.sum[r * w.groups + g];
-          float t = static_cast<float>(dot - w.zero * asum) * scale_at(w, group, c);
-          if (w.has_min) t = t + minimum_at(w, group, c) * static_cast<float>(asum);
-          acc = acc + t * x.scale[r * (w.k / 32) + g * w.group / 32];
+          for (int kk = 0; kk < w.group; ++kk) {
+            const int64_t at = g * w.group + kk;
+            const int8_t a = reinterpret_cast<const int8_t*>(x.q + (at / 4) * x.m + r)[at % 4];
+            dot += code_at(w, group, c, kk) * a;
+          }
+          const int64_t i = g * x.m + r;
+          float t = static_cast<float>(dot - x.zsum[i]) * scale_at(w, group, c);
+          if (w.has_min) t = t + minimum_at(w, group, c) * x.fsum[i];
+          acc = acc + t * x.scale[i];
         }
         y[r * ldy + p * kPanel + c] = acc;
       }
@@ -83,8 +86,9 @@ void float_reference(const Weights& w, const float* x, int64_t m, float* y, int6
   }
 }
 
-void quantize_reference(const float* x, int64_t m, int64_t k, int64_t group, int8_t* q, float* scale, int32_t* sum) {
-  quantize_rows_impl(x, m, k, group, q, scale, sum);
+void quantize_reference(const float* x, int64_t m, int64_t k, int64_t group, int zero, int64_t r0, int64_t r1, int32_t* q,
+                    int32_t* zsum, float* fsum, float* scale) {
+  quantize_rows_impl(x, m, k, group, zero, r0, r1, q, zsum, fsum, scale);
 }
 
 }  // namespace trtspec_gguf

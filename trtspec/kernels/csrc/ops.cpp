@@ -90,17 +90,17 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
   const int64_t ldy = panels * kPanel;
   const Path* path = g_path;
   if (int8_activations) {
-    at::Tensor q = at::empty({m, k}, x.options().dtype(at::kChar));
-    at::Tensor scale = at::empty({m, k / 32}, x.options());
-    at::Tensor sum = at::empty({m, w.groups}, x.options().dtype(at::kInt));
+    // one buffer: codes [k/4, m] int32, then zsum [groups, m] int32, fsum and scale [groups, m] float32
+    at::Tensor rows_buffer = at::empty({(k / 4 + 3 * w.groups) * m}, x.options().dtype(at::kInt));
+    int32_t* qp = rows_buffer.data_ptr<int32_t>();
+    int32_t* zp = qp + (k / 4) * m;
+    float* fp = reinterpret_cast<float*>(zp + w.groups * m);
+    float* sp = fp + w.groups * m;
     const float* xp = x2.data_ptr<float>();
-    int8_t* qp = q.data_ptr<int8_t>();
-    float* sp = scale.data_ptr<float>();
-    int32_t* up = sum.data_ptr<int32_t>();
     at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
-      path->quantize(xp + r0 * k, r1 - r0, k, group, qp + r0 * k, sp + r0 * (k / 32), up + r0 * w.groups);
+      path->quantize(xp, m, k, group, w.zero, r0, r1, qp, zp, fp, sp);
     });
-    const Int8Rows rows{q.data_ptr<int8_t>(), scale.data_ptr<float>(), sum.data_ptr<int32_t>(), m};
+    const Int8Rows rows{qp, zp, fp, sp, m};
     at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) { path->int8(w, rows, yp, ldy, p0, p1); });
   } else {
     const float* xp = x2.data_ptr<float>();

@@ -9,9 +9,10 @@
 namespace trtspec_gguf {
 namespace {
 
-inline void quantize_rows_impl(const float* __restrict x, int64_t m, int64_t k, int64_t group, int8_t* __restrict q,
-                               float* __restrict scale, int32_t* __restrict sum) {
-  for (int64_t r = 0; r < m; ++r) {
+inline void quantize_rows_impl(const float* __restrict x, int64_t m, int64_t k, int64_t group, int zero, int64_t r0,
+                               int64_t r1, int32_t* __restrict q, int32_t* __restrict zsum, float* __restrict fsum,
+                               float* __restrict scale) {
+  for (int64_t r = r0; r < r1; ++r) {
     for (int64_t b = 0; b < k / 32; ++b) {
       const float* v = x + r * k + b * 32;
       float half[16];  // |x| of the block folded in two, then reduced: written so the compiler vectorizes it
@@ -23,14 +24,16 @@ inline void quantize_rows_impl(const float* __restrict x, int64_t m, int64_t k, 
       for (int i = 0; i < 16; ++i) amax = amax > half[i] ? amax : half[i];
       const float d = amax / 127.0f;
       const float id = d != 0.0f ? 1.0f / d : 0.0f;
-      int8_t* out = q + r * k + b * 32;
-      for (int i = 0; i < 32; ++i) out[i] = static_cast<int8_t>((v[i] * id + 12582912.0f) - 12582912.0f);
-      scale[r * (k / 32) + b] = d;
-    }
-    for (int64_t g = 0; g < k / group; ++g) {
-      int32_t s = 0;
-      for (int64_t i = 0; i < group; ++i) s += q[r * k + g * group + i];
-      sum[r * (k / group) + g] = s;
+      int8_t codes[32];
+      for (int i = 0; i < 32; ++i) codes[i] = static_cast<int8_t>((v[i] * id + 12582912.0f) - 12582912.0f);
+      for (int j = 0; j < 8; ++j) __builtin_memcpy(q + (b * 8 + j) * m + r, codes + 4 * j, 4);
+      for (int64_t g = b * 32 / group; g < (b + 1) * 32 / group; ++g) {
+        int32_t s = 0;
+        for (int64_t i = g * group - b * 32; i < (g + 1) * group - b * 32; ++i) s += codes[i];
+        zsum[g * m + r] = zero * s;
+        fsum[g * m + r] = static_cast<float>(s);
+        scale[g * m + r] = d;
+      }
     }
   }
 }
