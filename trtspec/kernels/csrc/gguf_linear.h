@@ -60,9 +60,15 @@ struct Int8Rows {
   int64_t m;
 };
 
+// A call's float activations transposed, a tile's rows side by side for each k.
+struct FloatRows {
+  const float* xt;       // [k, m]: row r's x[k] in xt[k * m + r]
+  int64_t m;
+};
+
 // Each computes output panels [p0, p1) for all m rows: y [m, ldy] float32, columns 16 * p ...
 using Int8Kernel = void (*)(const Weights&, const Int8Rows&, float* y, int64_t ldy, int64_t p0, int64_t p1);
-using FloatKernel = void (*)(const Weights&, const float* x, int64_t m, float* y, int64_t ldy, int64_t p0, int64_t p1);
+using FloatKernel = void (*)(const Weights&, const FloatRows&, float* y, int64_t ldy, int64_t p0, int64_t p1);
 // rows [r0, r1) of x [m, k] -> their columns of an Int8Rows' arrays (quantize_rows.h)
 using Quantizer = void (*)(const float* x, int64_t m, int64_t k, int64_t group, int zero, int64_t r0, int64_t r1,
                            int32_t* q, int32_t* zsum, float* fsum, float* scale);
@@ -71,11 +77,11 @@ void quantize_reference(const float*, int64_t, int64_t, int64_t, int, int64_t, i
 void quantize_avx2(const float*, int64_t, int64_t, int64_t, int, int64_t, int64_t, int32_t*, int32_t*, float*, float*);
 void quantize_avx512(const float*, int64_t, int64_t, int64_t, int, int64_t, int64_t, int32_t*, int32_t*, float*, float*);
 void int8_reference(const Weights&, const Int8Rows&, float*, int64_t, int64_t, int64_t);
-void float_reference(const Weights&, const float*, int64_t, float*, int64_t, int64_t, int64_t);
+void float_reference(const Weights&, const FloatRows&, float*, int64_t, int64_t, int64_t);
 void int8_avx2(const Weights&, const Int8Rows&, float*, int64_t, int64_t, int64_t);
-void float_avx2(const Weights&, const float*, int64_t, float*, int64_t, int64_t, int64_t);
+void float_avx2(const Weights&, const FloatRows&, float*, int64_t, int64_t, int64_t);
 void int8_avx512(const Weights&, const Int8Rows&, float*, int64_t, int64_t, int64_t);
-void float_avx512(const Weights&, const float*, int64_t, float*, int64_t, int64_t, int64_t);
+void float_avx512(const Weights&, const FloatRows&, float*, int64_t, int64_t, int64_t);
 void int8_avx512vnni(const Weights&, const Int8Rows&, float*, int64_t, int64_t, int64_t);
 
 }  // namespace trtspec_gguf

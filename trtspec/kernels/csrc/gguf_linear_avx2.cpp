@@ -82,7 +82,7 @@ void int8_rows(const Weights& w, const uint8_t* panel, const Int8Rows& x, int64_
 }
 
 template <int BITS, int R>
-void float_rows(const Weights& w, const uint8_t* panel, const float* x, int64_t r0, float* y, int64_t ldy,
+void float_rows(const Weights& w, const uint8_t* panel, const FloatRows& x, int64_t r0, float* y, int64_t ldy,
                 int64_t col0) {
   constexpr int G = kGroup<BITS>, S = kSteps<BITS>;
   const __m256i zero = _mm256_set1_epi32(w.zero), byte = _mm256_set1_epi32(0xFF);
@@ -91,7 +91,7 @@ void float_rows(const Weights& w, const uint8_t* panel, const float* x, int64_t 
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < w.groups; ++g) {
       const uint8_t* group = panel + g * w.group_bytes;
-      const float* xg = x + r0 * w.k + g * G;
+      const float* xg = x.xt + g * G * x.m + r0;  // k = g * G + i, row r: xg[i * m + r]
       const __m256 scale = _mm256_loadu_ps(reinterpret_cast<const float*>(group + w.codes_bytes) + kHalf * h);
       const __m256 minimum = w.has_min
           ? _mm256_loadu_ps(reinterpret_cast<const float*>(group + w.codes_bytes + 64) + kHalf * h)
@@ -108,7 +108,7 @@ void float_rows(const Weights& w, const uint8_t* panel, const float* x, int64_t 
           }
           __m256 wt = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(qt, zero)), scale);
           if (w.has_min) wt = _mm256_add_ps(wt, minimum);
-          for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(wt, _mm256_set1_ps(xg[r * w.k + 4 * s + t]), acc[r]);
+          for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(wt, _mm256_set1_ps(xg[(4 * s + t) * x.m + r]), acc[r]);
         }
       }
     }
@@ -154,12 +154,12 @@ void int8_avx2(const Weights& w, const Int8Rows& x, float* y, int64_t ldy, int64
   }
 }
 
-void float_avx2(const Weights& w, const float* x, int64_t m, float* y, int64_t ldy, int64_t p0, int64_t p1) {
+void float_avx2(const Weights& w, const FloatRows& x, float* y, int64_t ldy, int64_t p0, int64_t p1) {
   switch (w.bits) {
-    case 4: panels<4, false>(w, x, m, y, ldy, p0, p1); break;
-    case 5: panels<5, false>(w, x, m, y, ldy, p0, p1); break;
-    case 6: panels<6, false>(w, x, m, y, ldy, p0, p1); break;
-    default: panels<8, false>(w, x, m, y, ldy, p0, p1); break;
+    case 4: panels<4, false>(w, x, x.m, y, ldy, p0, p1); break;
+    case 5: panels<5, false>(w, x, x.m, y, ldy, p0, p1); break;
+    case 6: panels<6, false>(w, x, x.m, y, ldy, p0, p1); break;
+    default: panels<8, false>(w, x, x.m, y, ldy, p0, p1); break;
   }
 }
 

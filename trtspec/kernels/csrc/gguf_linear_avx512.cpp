@@ -7,8 +7,8 @@ namespace trtspec_gguf {
 void int8_avx512(const Weights& w, const Int8Rows& x, float* y, int64_t ldy, int64_t p0, int64_t p1) {
   int8_any(w, x, y, ldy, p0, p1);
 }
-void float_avx512(const Weights& w, const float* x, int64_t m, float* y, int64_t ldy, int64_t p0, int64_t p1) {
-  float_any(w, x, m, y, ldy, p0, p1);
+void float_avx512(const Weights& w, const FloatRows& x, float* y, int64_t ldy, int64_t p0, int64_t p1) {
+  float_any(w, x, y, ldy, p0, p1);
 }
 void quantize_avx512(const float* x, int64_t m, int64_t k, int64_t group, int zero, int64_t r0, int64_t r1, int32_t* q,
                     int32_t* zsum, float* fsum, float* scale) {

@@ -62,12 +62,11 @@ void int8_reference(const Weights& w, const Int8Rows& x, float* y, int64_t ldy, 
   }
 }
 
-void float_reference(const Weights& w, const float* x, int64_t m, float* y, int64_t ldy, int64_t p0, int64_t p1) {
+void float_reference(const Weights& w, const FloatRows& x, float* y, int64_t ldy, int64_t p0, int64_t p1) {
   const int64_t panel_bytes = w.groups * w.group_bytes;
   for (int64_t p = p0; p < p1; ++p) {
     const uint8_t* panel = w.data + p * panel_bytes;
-    for (int64_t r = 0; r < m; ++r) {
-      const float* xr = x + r * w.k;
+    for (int64_t r = 0; r < x.m; ++r) {
       for (int c = 0; c < kPanel; ++c) {
         float acc = 0.0f;
         for (int64_t g = 0; g < w.groups; ++g) {
@@ -77,7 +76,7 @@ void float_reference(const Weights& w, const float* x, int64_t m, float* y, int6
           for (int kk = 0; kk < w.group; ++kk) {
             float wt = static_cast<float>(code_at(w, group, c, kk) - w.zero) * scale;
             if (w.has_min) wt = wt + minimum;
-            acc = std::fma(wt, xr[g * w.group + kk], acc);
+            acc = std::fma(wt, x.xt[(g * w.group + kk) * x.m + r], acc);
           }
         }
         y[r * ldy + p * kPanel + c] = acc;

@@ -103,8 +103,9 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
     const Int8Rows rows{qp, zp, fp, sp, m};
     at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) { path->int8(w, rows, yp, ldy, p0, p1); });
   } else {
-    const float* xp = x2.data_ptr<float>();
-    at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) { path->floats(w, xp, m, yp, ldy, p0, p1); });
+    const at::Tensor xt = m == 1 ? x2 : x2.t().contiguous();  // [k, m]
+    const FloatRows rows{xt.data_ptr<float>(), m};
+    at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) { path->floats(w, rows, yp, ldy, p0, p1); });
   }
   if (ldy != n) y = y.narrow(1, 0, n).contiguous();
   return y.view(out_shape);
