@@ -238,6 +238,37 @@ def test_gguf_greedy_speculation_equals_the_engine_alone(tiny):
         gen.close()
 
 
+def test_torch_engine_on_the_gguf_kernels_computes_with_the_files_weights(tiny):
+    """trtspec.compile(weights="gguf"): every linear layer of a kernel type runs our kernels on the file's blocks
+    (the IQ4_NL layer stays float); its logits equal the onnxruntime float build's (the file's dequantized weights,
+    IQ4_NL's included), and greedy speculation over it equals its own greedy output."""
+    import trtspec
+    from trtspec.runtime import Generator
+
+    engine = trtspec.compile(tiny["export"], backend="eager", weights="gguf")
+    assert engine.gguf["float"] == {"model.layers.1.mlp.down_proj": "IQ4_NL: no kernel for this type"}
+    assert len(engine.gguf["kernels"]) == 13 + 1 and engine.gguf["kernels"]["lm_head"] == "Q8_0"
+    ids = np.random.default_rng(0).integers(5, 200, (2, 12))
+    pos = np.tile(np.arange(12), (2, 1))
+    engine.reset()
+    got = engine.forward(ids, pos).copy()
+    assert np.abs(got - _logits_batch(tiny["float"], ids, pos)).max() <= 1e-4
+    prompt = "def add(a, b):\n    return a + b\n\nfor i in range(10):\n"
+    want = Generator(engine).generate(prompt, max_new_tokens=24).token_ids
+    for drafter in ("prompt_lookup", "suffix"):
+        assert Generator(engine, drafter=drafter).generate(prompt, max_new_tokens=24).token_ids == want, drafter
+    with pytest.raises(ValueError, match="int8_activations goes with weights='gguf'"):
+        trtspec.compile(tiny["export"], backend="eager", int8_activations=True)
+
+
+def _logits_batch(engine_dir, ids, pos):
+    from trtspec.engines import load_engine
+
+    engine = load_engine(engine_dir, num_threads=2)
+    engine.reset()
+    return engine.forward(ids, pos).copy()
+
+
 def test_a_qwen2_gguf_keeps_its_rows_as_stored_and_its_biases(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM

@@ -85,7 +85,7 @@ class StepModel(nn.Module):
                              "hold consecutive positions, which a ring's slot arithmetic assumes): export with "
                              "--no-ring-cache")
         self.lm_head = hf_model.lm_head
-        dtype = self.lm_head.weight.dtype
+        dtype = hf_model.get_input_embeddings().weight.dtype  # (a GGUF head in the kernels holds no float weight)
         if spec.family == "gpt2":
             base = hf_model.transformer
             self.embed, self.pos_embed, self.final_norm = base.wte, base.wpe, base.ln_f

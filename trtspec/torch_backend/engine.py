@@ -43,7 +43,8 @@ class TorchEngine(CacheRows):
 
     backend = "torch"
 
-    def __init__(self, source, *, compile_backend: str, device: str, functional_cache: bool = False):
+    def __init__(self, source, *, compile_backend: str, device: str, functional_cache: bool = False,
+                 weights: str = "float", int8_activations: bool = False):
         import torch
 
         from ..exporter.step_model import StepModel
@@ -68,10 +69,19 @@ class TorchEngine(CacheRows):
         self.features = None  # the last call's hidden_states [B, T, features_size] (numpy), engines with features
         # built on the CPU (its RoPE table comes from the HF rotary module there), then moved
         hf = source.hf_model.requires_grad_(False)
+        # weights "gguf": the linear layers run our kernels on the file's own blocks (torch_backend/gguf.py)
+        self.gguf = None
+        if weights == "gguf":
+            if source.gguf_file is None:
+                raise ValueError(f"weights='gguf' needs an export of a GGUF file; {self.path} was not made from one")
+            if device != "cpu":
+                raise BackendUnavailableError("the GGUF kernels run on the CPU; use device='cpu' or weights='float'")
+            from .gguf import use_gguf_kernels
+
+            self.gguf = use_gguf_kernels(hf, source.gguf_file, source.spec, int8_activations)
         step = StepModel(hf, source.spec, self.max_seq_len, in_place_cache=not functional_cache,
-                         cache_slots=model["cache_slots"], tree=self.tree_verify,
-                         hidden_layers=features.get("layers"), fuse_projections=not functional_cache
-                         ).eval().to(self.device)
+                         cache_slots=model["cache_slots"], tree=self.tree_verify, hidden_layers=features.get("layers"),
+                         fuse_projections=not functional_cache and self.gguf is None).eval().to(self.device)
         self.module = CachedStep(step, self.max_batch, getattr(torch, model["dtype"]), self.device)
         if functional_cache:
             # TensorRT: the compiled graph takes the caches and returns them (the converter makes the
@@ -234,6 +244,8 @@ def compile(
     dtype: str | None = None,
     tree: bool | None = None,
     hidden_states=None,
+    weights: str = "float",
+    int8_activations: bool = False,
 ) -> TorchEngine:
     """Compile an HF model (or the model behind an export/ artifact) into a torch engine.
 
@@ -243,12 +255,18 @@ def compile(
     ``max_seq_len``/``max_batch``/``dtype`` default to the export's own values for an
     export dir, else to 512 / 4 / "float32". ``tree`` (one call verifies a token tree) and ``hidden_states``
     ("low,mid,high", "last" or layer indices: features for draft heads) are export()'s options; they default to
-    the export's own, and to neither for an HF dir.
+    the export's own, and to neither for an HF dir. ``weights`` "gguf" (an export of a GGUF file, CPU): the linear
+    layers run trtspec's GGUF kernels on the file's own blocks (``int8_activations``: their int8 variant), not
+    dequantized float32 weights.
     """
     import torch
 
     if backend not in BACKENDS:
         raise ValueError(f"unknown torch backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if weights not in ("float", "gguf"):
+        raise ValueError(f"unknown weights {weights!r}; choose float or gguf")
+    if int8_activations and weights != "gguf":
+        raise ValueError("int8_activations goes with weights='gguf'")
     if device not in DEVICES:
         raise ValueError(f"unknown device {device!r}; choose one of {', '.join(DEVICES)}")
     if device == "cuda" and not torch.cuda.is_available():
@@ -259,7 +277,8 @@ def compile(
         require_torch_tensorrt()
     source = load_source(Path(model_dir_or_export_dir), max_seq_len=max_seq_len, max_batch=max_batch, dtype=dtype,
                          tree=tree, hidden_states=hidden_states)
-    engine = TorchEngine(source, compile_backend=backend, device=device, functional_cache=backend == "torch_tensorrt")
+    engine = TorchEngine(source, compile_backend=backend, device=device, functional_cache=backend == "torch_tensorrt",
+                         weights=weights, int8_activations=int8_activations)
     log.info("torch engine for %s: backend %s on %s (compiled lazily, per shape class, on first calls)",
              model_dir_or_export_dir, backend, device)
     return engine

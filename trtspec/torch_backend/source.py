@@ -25,6 +25,7 @@ class Source:
     spec: object  # ArchSpec
     path: Path  # engine.path: the directory the tokenizer path is relative to
     manifest: dict
+    gguf_file: Path | None = None  # the GGUF file the model was read from, if it was
 
 
 def load_source(path: Path, *, max_seq_len: int | None, max_batch: int | None, dtype: str | None,
@@ -56,12 +57,17 @@ def _from_export(path: Path, max_seq_len, max_batch, dtype, tree, hidden_states)
             "pass its export/ directory or the HF model directory"
         )
     model_dir = Path(exported["source"]["model_dir"])
-    if not (model_dir / "config.json").is_file():
+    if "gguf_sha256" in exported["source"]:  # exported from a GGUF file
+        if not model_dir.is_file():
+            raise ArtifactError(f"{path} was exported from {model_dir}, which is gone; pass the GGUF file itself")
+        if sha256_file(model_dir) != exported["source"]["gguf_sha256"]:
+            raise ArtifactError(f"{model_dir} changed since {path} was exported; re-export, or pass the file itself")
+    elif not (model_dir / "config.json").is_file():
         raise ArtifactError(
             f"{path} was exported from {model_dir}, which is gone; the torch backend compiles the HF weights, "
             "so pass the HF model directory itself"
         )
-    if sha256_file(model_dir / "config.json") != exported["source"]["config_sha256"]:
+    elif sha256_file(model_dir / "config.json") != exported["source"]["config_sha256"]:
         raise ArtifactError(
             f"{model_dir}/config.json changed since {path} was exported; re-export, or pass the HF directory itself"
         )
@@ -97,4 +103,6 @@ def _load(model_dir: Path, path: Path, tokenizer_rel: str, max_seq_len: int, max
         "tokenizer": tokenizer_rel,
         "source": {"model_dir": str(model_dir.resolve())},
     }
-    return Source(hf, spec, path, manifest)
+    from ..exporter.gguf import find_gguf
+
+    return Source(hf, spec, path, manifest, find_gguf(model_dir))

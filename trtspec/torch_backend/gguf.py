@@ -1,0 +1,94 @@
+"""The torch engine's linear layers on a GGUF file's own blocks (trtspec/kernels), not on dequantized floats.
+
+Each nn.Linear of the model that transformers loaded from the file is matched to the file's tensor (through
+transformers' GGUF name map, with llama.cpp's rotary permutation of q/k undone where the weights say so), and is
+replaced by a GGUFLinear whose kernel reads the file's blocks: its weights are the file's dequantization bit for bit
+(checked here, layer by layer, before a layer is replaced). Layers of types the kernels do not take stay float.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from .. import kernels
+
+log = logging.getLogger("trtspec.torch")
+
+
+class GGUFLinear(nn.Module):
+    """y = x @ W^T (+ bias) with W a GGUF tensor's blocks in the kernels' layout."""
+
+    def __init__(self, layer: kernels.Packed, bias: torch.Tensor | None, int8_activations: bool):
+        super().__init__()
+        self.register_buffer("packed", kernels.as_tensor(layer), persistent=False)
+        self.in_features, self.out_features = layer.k, layer.n
+        self.bits, self.group, self.zero, self.has_min = layer.bits, layer.group, layer.zero, layer.has_min
+        self.type_name = layer.type_name
+        self.int8_activations = int8_activations
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    def forward(self, x):
+        # x [..., in] float32 -> [..., out]
+        y = torch.ops.trtspec.gguf_linear(x, self.packed, self.out_features, self.in_features, self.bits, self.group,
+                                          self.zero, self.has_min, self.int8_activations)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"{self.type_name}, in_features={self.in_features}, out_features={self.out_features}, "
+                f"int8_activations={self.int8_activations}")
+
+
+def use_gguf_kernels(hf: nn.Module, gguf_path: Path, spec, int8_activations: bool) -> dict:
+    """Replace ``hf``'s linear layers by GGUFLinear on the file's blocks, in place.
+
+    Returns {"kernels": {layer: type}, "float": {layer: why}}."""
+    from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
+
+    from ..exporter.gguf import _reader, _row_orders
+
+    kernels.load()
+    reader = _reader(Path(gguf_path))
+    to_hf = get_gguf_hf_weights_map(hf, TensorProcessor())
+    tensors = {to_hf.get(t.name): t for t in reader.tensors}
+    embed = hf.get_input_embeddings().weight
+    embed_name = next((n for n, p in hf.named_parameters() if p is embed), None)
+    done: dict[str, str] = {}
+    left: dict[str, str] = {}
+    for name, module in list(hf.named_modules()):
+        if type(module) is not nn.Linear:
+            continue
+        t = tensors.get(f"{name}.weight")
+        if t is None and module.weight is embed:  # a tied head: the embedding's tensor
+            t = tensors.get(embed_name)
+        if t is None:
+            left[name] = "no tensor of the file found for it"
+            continue
+        type_name = t.tensor_type.name
+        n, k = module.weight.shape
+        if type_name not in kernels.TYPES:
+            left[name] = f"{type_name}: no kernel for this type"
+            continue
+        if k % kernels.blocks.FORMATS[type_name][2]:
+            left[name] = f"{type_name}: input size {k} is not a whole number of blocks"
+            continue
+        b = kernels.decode(type_name, t.data, n, k)
+        w = module.weight.detach().float().numpy()
+        deq = kernels.dequantize(b)
+        for how, rows in _row_orders(n, spec.num_heads, spec.num_kv_heads):
+            if np.array_equal(deq if rows is None else deq[rows], w):
+                break
+        else:
+            left[name] = f"{type_name}: its blocks differ from the weights transformers loaded"
+            continue
+        layer = GGUFLinear(kernels.pack(b if rows is None else b.take_rows(rows)), module.bias, int8_activations)
+        parent_name, _, child = name.rpartition(".")
+        setattr(hf.get_submodule(parent_name) if parent_name else hf, child, layer)
+        done[name] = type_name
+    log.info("GGUF kernels: %d linear layers on the file's blocks%s", len(done),
+             f"; {len(left)} left in float" if left else "")
+    return {"kernels": done, "float": left}
