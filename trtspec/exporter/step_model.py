@@ -166,16 +166,18 @@ class StepModel(nn.Module):
             out[key] = mask[:, None]
         return out
 
-    def masks(self, position_ids):
+    def masks(self, position_ids, live=None):
         # position_ids [B, T] -> {mask key: bool [B, 1, T, slots]}; True where the slot may be attended.
+        # live: how many leading slots of the full caches the call attends (the torch engine's live length), or all
         pos = position_ids[:, None, :, None]
-        causal = self.slots <= pos
+        slots = self.slots if live is None else self.slots[:live]
+        causal = slots <= pos
         out = {}
         for key in set(self.mask_keys):
             if key is None:
                 out[key] = causal
             elif isinstance(key, int):
-                out[key] = causal & (self.slots > pos - key)
+                out[key] = causal & (slots > pos - key)
             else:  # a ring: slot s holds the last position written there, e - ((e - s) mod n), e the call's last
                 _, window, n = key
                 last = position_ids[:, -1:]
@@ -255,7 +257,13 @@ class StepModel(nn.Module):
             masks = self.tree_masks(position_ids, past[0])
             past = past[1:]
         else:
-            masks = self.masks(position_ids)
+            # the torch engine may pass its full caches cut to the call's live length (CachedStep): attention then
+            # reads only those slots. Never in the export, whose cache inputs must feed nothing but their write.
+            live = None
+            if self.in_place_cache and self.max_seq_len in self.cache_slots:
+                full = past[2 * self.cache_slots.index(self.max_seq_len)].shape[-2]
+                live = None if full == self.max_seq_len else full
+            masks = self.masks(position_ids, live)
         h = self.embed(input_ids)
         rope = None
         if self.pos_embed is not None:

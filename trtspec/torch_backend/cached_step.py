@@ -23,12 +23,17 @@ class CachedStep(nn.Module):
     def caches(self) -> list[torch.Tensor]:
         return [getattr(self, f"cache_{i}") for i in range(self.num_caches)]
 
-    def forward(self, input_ids, position_ids, tree_mask=None):
+    def forward(self, input_ids, position_ids, tree_mask=None, live=None):
         # input_ids [B, T] int64, position_ids [B, T] int64[, tree_mask [B, T, T] bool: a tree call]
+        # live [L]: attend only the first L slots of the full-length caches (L > every slot the call reads or writes;
+        # a chain call's only); its length is what counts, so L stays a dynamic size, not a recompile
         # -> (logits [B, T, V], hidden_states [B, T, F] or None); writes cache rows [0, B)
         b = input_ids.shape[0]
+        full = self.step.max_seq_len
+        caches = [c[:b] if live is None or n != full else c[:b, :, : live.shape[0]]
+                  for c, n in zip(self.caches(), [n for n in self.step.cache_slots for _ in (0, 1)])]
         return split_outputs(self.step, self.step(input_ids, position_ids, *tree_args(self.step, tree_mask),
-                                                  *[c[:b] for c in self.caches()]))[:2]
+                                                  *caches))[:2]
 
 
 def tree_args(step, tree_mask) -> tuple:

@@ -30,6 +30,8 @@ BACKENDS = ("inductor", "eager", "torch_tensorrt")
 DEVICES = ("cpu", "cuda")
 # On CUDA, calls of at most this many tokens per row (decode, verify k+1) run as CUDA graphs.
 MAX_GRAPHED_TOKENS = 16
+# a CPU chain call attends the first multiple of this many slots that holds every position it reads or writes
+LIVE_STEP = 64
 # greedy_steps reads its tokens back to the host once per this many calls: a stop costs at most as many calls more
 GREEDY_CHUNK = 8
 
@@ -90,6 +92,10 @@ class TorchEngine(CacheRows):
             self._general = self._graphed = _functional_call(compiled, self.module)
         else:
             self._general, self._graphed = _compile(self.module, compile_backend, self.device.type)
+        # On the CPU a chain call attends the caches' live slots only, rounded up to LIVE_STEP (attention over the
+        # whole capacity was the largest cost of a decode call); CUDA graphs keep one shape, the whole cache.
+        self._live = (torch.arange(self.max_seq_len, device=self.device)
+                      if self.device.type == "cpu" and not (self.tree_verify or functional_cache) else None)
         # CUDA graphs (inductor's cudagraph trees) keep their manager per thread; the scheduler's thread needs one
         self._cudagraph_state = cudagraph_tree_state() if self.device.type == "cuda" else None
 
@@ -121,6 +127,11 @@ class TorchEngine(CacheRows):
             if first_row:
                 # The compiled graphs take rows [0, B); other rows run eagerly (the scheduler's prefill calls).
                 logits, hidden = _functional_call(self.module.step, self.module, first_row)(ids, pos, tree)
+            elif self._live is not None:
+                # every slot the call reads (a position) or writes (first slot + j, pad tokens included)
+                last = max(int(position_ids.max()) + 1, int(position_ids[:, 0].max()) + position_ids.shape[1])
+                live = min(self.max_seq_len, -(-last // LIVE_STEP) * LIVE_STEP)
+                logits, hidden = fn(ids, pos, tree, self._live[:live])
             else:
                 logits, hidden = fn(ids, pos, tree)
             if hidden is not None:
