@@ -246,7 +246,7 @@ def test_torch_engine_on_the_gguf_kernels_computes_with_the_files_weights(tiny):
     from trtspec.runtime import Generator
 
     engine = trtspec.compile(tiny["export"], backend="eager", weights="gguf")
-    assert engine.gguf["float"] == {"model.layers.1.mlp.down_proj": "IQ4_NL: no kernel for this type"}
+    assert engine.gguf["float"] == {"model.layers.1.mlp.down_proj": "IQ4_NL: not a type kept as it is"}
     assert len(engine.gguf["kernels"]) == 13 + 1 and engine.gguf["kernels"]["lm_head"] == "Q8_0"
     ids = np.random.default_rng(0).integers(5, 200, (2, 12))
     pos = np.tile(np.arange(12), (2, 1))

@@ -533,12 +533,10 @@ def gguf_linears(model: ir.Model, arrays, kept: dict[str, dict], accuracy_level:
         digits = remainders = None
         if info["minimums"]:
             minimums = np.concatenate([arrays[f"{n.name}/minimums"] for n in group])  # [N, K/32]
-            if info["bits"] == 4:
-                zp, remainders = centred(scales, minimums, info["zero_point"])
-                if accuracy_level == MATMUL_NBITS_ACCURACY_LEVEL:
-                    digits = minimum_digits(remainders)
-            else:  # 8-bit codes of a 5-bit type (Q5_1, Q5_K): the minimums' float term, uncentred
-                remainders = minimums
+            # 8-bit codes of a 5-bit type (Q5_1, Q5_K): the minimums' float term, uncentred
+            zp, remainders = centred(scales, minimums, info["zero_point"]) if info["bits"] == 4 else (zp, minimums)
+            if accuracy_level == MATMUL_NBITS_ACCURACY_LEVEL and info["bits"] == 4:
+                digits = minimum_digits(remainders)
         if digits is not None:  # the minimums as further 4-bit blocks of the same kernel, over the block sums
             codes, digit_scales, d = digits
             padded = codes.shape[1] // d

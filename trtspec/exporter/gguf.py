@@ -120,13 +120,16 @@ def load(path: Path, dtype: str):
 # ---- the file's codes in MatMulNBits' layout -------------------------------------------------------------------
 
 def unpack(type_name: str, raw: np.ndarray, n: int, k: int) -> dict:
-    """One tensor's blocks (``raw``: its bytes, [n, bytes per row]) -> MatMulNBits' form: codes [n, k] (uint8),
-    scales [n, k/block] (float32), zero_point (int), minimums [n, k/block] (float32, or None), bits and block:
-    weight = scale * (code - zero_point) + minimum. 4-bit types keep their codes; the others become 8-bit codes
-    with zero point 128, exactly (code + 128 - the type's own zero point)."""
+    """One tensor's blocks (``raw``: its bytes, [n, bytes per row]) -> MatMulNBits' form (``matmulnbits_form``)."""
     if type_name not in KEPT_TYPES:
         raise ValueError(f"GGUF type {type_name} is not kept as it is; choose one of {', '.join(KEPT_TYPES)}")
-    b = blocks.decode(type_name, raw, n, k)
+    return matmulnbits_form(blocks.decode(type_name, raw, n, k))
+
+
+def matmulnbits_form(b: blocks.Blocks) -> dict:
+    """Blocks -> codes [n, k] (uint8), scales [n, k/block] (float32), zero_point (int), minimums [n, k/block]
+    (float32, or None), bits and block: weight = scale * (code - zero_point) + minimum. 4-bit types keep their codes;
+    the others become 8-bit codes with zero point 128, exactly (code + 128 - the type's own zero point)."""
     codes, zero = b.codes, b.zero
     if b.bits > 4:
         codes, zero = (b.codes.astype(np.int16) + (128 - b.zero)).astype(np.uint8), 128
@@ -162,17 +165,39 @@ def _row_orders(n: int, num_heads: int, num_kv_heads: int) -> list[tuple[str, np
     return orders
 
 
+def tensors_by_hf_name(path: Path, hf) -> dict:
+    """{the HF parameter name a tensor of the file loads into: the file's tensor}."""
+    from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
+
+    to_hf = get_gguf_hf_weights_map(hf, TensorProcessor())
+    return {to_hf.get(t.name): t for t in _reader(path).tensors}
+
+
+def file_blocks(t, w: np.ndarray, num_heads: int, num_kv_heads: int) -> tuple[blocks.Blocks, str] | str:
+    """A file tensor's Blocks in the row order of ``w`` (the float weight [out, in] transformers loaded from it) and
+    which order that is, or why it cannot be kept: a type not kept, a ragged input, or blocks that dequantize to
+    other weights in every known row order."""
+    type_name = t.tensor_type.name
+    n, k = w.shape
+    if type_name not in KEPT_TYPES:
+        return f"{type_name}: not a type kept as it is"
+    if k % blocks.FORMATS[type_name][2]:
+        return f"{type_name}: input size {k} is not a whole number of blocks"
+    b = blocks.decode(type_name, t.data, n, k)
+    deq = blocks.dequantize(b)
+    for how, rows in _row_orders(n, num_heads, num_kv_heads):
+        if np.array_equal(deq if rows is None else deq[rows], w):
+            return (b if rows is None else b.take_rows(rows)), how
+    return f"{type_name}: its dequantized blocks differ from the weights transformers loaded (in every known row order)"
+
+
 def keep_blocks(path: Path, hf, linears: dict[str, np.ndarray], num_heads: int, num_kv_heads: int,
                 progress=None) -> tuple[dict[str, np.ndarray], dict]:
     """The file's blocks for the graph's linear layers.
 
     ``linears``: {graph node name: its float weight [out, in] as the graph holds it}. Returns (arrays for
     BLOCKS_FILE, the manifest's description): kept layers by type, and the others with why."""
-    from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
-
-    reader = _reader(path)
-    to_hf = get_gguf_hf_weights_map(hf, TensorProcessor())
-    tensors = {to_hf.get(t.name): t for t in reader.tensors}
+    tensors = tensors_by_hf_name(path, hf)
     tied = getattr(hf.config, "tie_word_embeddings", False)
     embed = hf.get_input_embeddings().weight
     arrays: dict[str, np.ndarray] = {}
@@ -189,31 +214,17 @@ def keep_blocks(path: Path, hf, linears: dict[str, np.ndarray], num_heads: int, 
         if t is None:
             others[node] = "no tensor of the file found for it"
             continue
-        type_name = t.tensor_type.name
-        n, k = w.shape
-        if type_name not in KEPT_TYPES:
-            others[node] = f"{type_name}: not a type kept as it is"
+        found = file_blocks(t, w, num_heads, num_kv_heads)
+        if isinstance(found, str):
+            others[node] = found
             continue
-        if k % blocks.FORMATS[type_name][2]:
-            others[node] = f"{type_name}: input size {k} is not a whole number of blocks"
-            continue
-        unpacked = unpack(type_name, t.data, n, k)
-        deq = weights_of(unpacked)
-        for how, rows in _row_orders(n, num_heads, num_kv_heads):
-            if np.array_equal(deq if rows is None else deq[rows], w):
-                break
-        else:
-            others[node] = (f"{type_name}: its dequantized blocks differ from the weights transformers loaded "
-                            "(in every known row order)")
-            continue
-        if rows is not None:
-            unpacked = {**unpacked, "codes": unpacked["codes"][rows], "scales": unpacked["scales"][rows],
-                        "minimums": None if unpacked["minimums"] is None else unpacked["minimums"][rows]}
+        b, how = found
+        unpacked = matmulnbits_form(b)
         arrays[f"{node}/B"] = pack(unpacked)
         arrays[f"{node}/scales"] = np.ascontiguousarray(unpacked["scales"])
         if unpacked["minimums"] is not None:
             arrays[f"{node}/minimums"] = np.ascontiguousarray(unpacked["minimums"])
-        kept[node] = {"type": type_name, "tensor": t.name, "bits": unpacked["bits"], "block": unpacked["block"],
+        kept[node] = {"type": b.type_name, "tensor": t.name, "bits": unpacked["bits"], "block": unpacked["block"],
                       "zero_point": unpacked["zero_point"], "minimums": unpacked["minimums"] is not None,
                       "rows": how}
     if progress is not None:

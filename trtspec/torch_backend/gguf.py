@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -47,14 +46,10 @@ def use_gguf_kernels(hf: nn.Module, gguf_path: Path, spec, int8_activations: boo
     """Replace ``hf``'s linear layers by GGUFLinear on the file's blocks, in place.
 
     Returns {"kernels": {layer: type}, "float": {layer: why}}."""
-    from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
-
-    from ..exporter.gguf import _reader, _row_orders
+    from ..exporter.gguf import file_blocks, tensors_by_hf_name
 
     kernels.load()
-    reader = _reader(Path(gguf_path))
-    to_hf = get_gguf_hf_weights_map(hf, TensorProcessor())
-    tensors = {to_hf.get(t.name): t for t in reader.tensors}
+    tensors = tensors_by_hf_name(Path(gguf_path), hf)
     embed = hf.get_input_embeddings().weight
     embed_name = next((n for n, p in hf.named_parameters() if p is embed), None)
     done: dict[str, str] = {}
@@ -68,27 +63,14 @@ def use_gguf_kernels(hf: nn.Module, gguf_path: Path, spec, int8_activations: boo
         if t is None:
             left[name] = "no tensor of the file found for it"
             continue
-        type_name = t.tensor_type.name
-        n, k = module.weight.shape
-        if type_name not in kernels.TYPES:
-            left[name] = f"{type_name}: no kernel for this type"
+        found = file_blocks(t, module.weight.detach().float().numpy(), spec.num_heads, spec.num_kv_heads)
+        if isinstance(found, str):
+            left[name] = found
             continue
-        if k % kernels.blocks.FORMATS[type_name][2]:
-            left[name] = f"{type_name}: input size {k} is not a whole number of blocks"
-            continue
-        b = kernels.decode(type_name, t.data, n, k)
-        w = module.weight.detach().float().numpy()
-        deq = kernels.dequantize(b)
-        for how, rows in _row_orders(n, spec.num_heads, spec.num_kv_heads):
-            if np.array_equal(deq if rows is None else deq[rows], w):
-                break
-        else:
-            left[name] = f"{type_name}: its blocks differ from the weights transformers loaded"
-            continue
-        layer = GGUFLinear(kernels.pack(b if rows is None else b.take_rows(rows)), module.bias, int8_activations)
+        layer = GGUFLinear(kernels.pack(found[0]), module.bias, int8_activations)
         parent_name, _, child = name.rpartition(".")
         setattr(hf.get_submodule(parent_name) if parent_name else hf, child, layer)
-        done[name] = type_name
+        done[name] = found[0].type_name
     log.info("GGUF kernels: %d linear layers on the file's blocks%s", len(done),
              f"; {len(left)} left in float" if left else "")
     return {"kernels": done, "float": left}
