@@ -113,7 +113,7 @@ class Generator:
     def chat_ids(self, messages) -> list[int]:
         """The prompt of a chat (OpenAI's messages: [{"role": ..., "content": ...}]) in the model's chat template,
         the messages' content taken as text (as the server does); pass it to generate() or stream()."""
-        from ..server.prompts import PromptEncoder
+        from .prompts import PromptEncoder
 
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; give a plain prompt instead")

@@ -7,7 +7,7 @@ become OpenAI's objects and stream events (responses.py).
 
 Hostile clients (issue 43): every route but /health (and /metrics with ``metrics_public``) needs the API key
 when one is set; a body is read at most ``max_body_bytes`` (413 beyond); tokenizing, rendering a chat template
-and compiling a grammar run in worker threads, after a length check (server/prompts.py), so the event loop
+and compiling a grammar run in worker threads, after a length check (runtime/prompts.py), so the event loop
 keeps answering; at most ``max_queue`` requests wait beyond the free rows (429); a request that fails alone
 (its grammar, say) gets its own status while the others run on; a client that leaves is a 499.
 
@@ -26,10 +26,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..runtime.prompts import PromptEncoder
 from .guard import MAX_BODY_BYTES, MAX_QUEUE, Guard, ServerState, ShuttingDownError, bearer_tokens, log
 from .metrics import Metrics
 from .params import chat_ids, completion_ids, completion_prompt, params_of, submit
-from .prompts import PromptEncoder
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest
 from .responses import Served, respond
 

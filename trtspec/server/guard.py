@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from fastapi.responses import JSONResponse
 
 from ..runtime.request import RequestFailedError
-from .prompts import PromptEncoder
+from ..runtime.prompts import PromptEncoder
 from .protocol import APIError, queue_full, too_large, unauthorized, unavailable
 
 log = logging.getLogger("trtspec.server")

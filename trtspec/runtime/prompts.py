@@ -12,7 +12,8 @@
   (``--parse-special-tokens``: a client that writes a whole chat prompt itself; token-id prompts are taken as
   they are either way).
 
-The app calls this in a worker thread: tokenizing and rendering never hold the event loop.
+The server calls this in a worker thread (tokenizing and rendering never hold its event loop); the Generator's
+chat_ids uses it too.
 """
 
 from __future__ import annotations
