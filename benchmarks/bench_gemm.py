@@ -43,7 +43,7 @@ def graph():
 def main(argv=None):
     import onnxruntime as ort
 
-    from trtspec.engines.onnxruntime import session_options
+    from trtspec.ort_session import session_options
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=30)

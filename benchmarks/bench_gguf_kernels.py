@@ -1,4 +1,4 @@
-"""The onnxruntime facts the GGUF build rests on (builder/ort_lowering.py: gguf_linears, GGUF_ACCURACY_LEVEL), and
+"""The onnxruntime facts the GGUF build rests on (builder/gguf_lowering.py: gguf_linears, GGUF_ACCURACY_LEVEL), and
 what they cost on the real model.
 
     python benchmarks/bench_gguf_kernels.py [--engine engines/smollm2] [--int8-engine engines/smollm2-int8x]
@@ -135,7 +135,7 @@ def engines(paths: dict[str, Path], reps: int = 30, one_row: tuple[str, ...] = (
 
 
 def without_minimums(export_dir: Path, out: Path) -> Path:
-    import trtspec.builder.ort_lowering as lowering
+    import trtspec.builder.gguf_lowering as lowering
     from trtspec import build
 
     original = lowering.gguf_linears

@@ -25,7 +25,7 @@ def profile(engine_dir: Path, tokens: int, position: int, batch: int, calls: int
     import onnxruntime as ort
 
     from trtspec.engine_contract import fuses_qdq
-    from trtspec.engines.onnxruntime import session_options
+    from trtspec.ort_session import session_options
 
     manifest = json.loads((engine_dir / "manifest.json").read_text())
     model = manifest["model"]

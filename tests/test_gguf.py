@@ -19,8 +19,8 @@ gguf = pytest.importorskip("gguf", reason="pip install 'trtspec[gguf]'")
 from trtspec import build, export  # noqa: E402
 from trtspec.errors import UnsupportedModelError  # noqa: E402
 from trtspec.exporter import gguf as reader  # noqa: E402
-from trtspec.builder.ort_lowering import centred  # noqa: E402
-from trtspec.quantization.int4_packing import minimum_digits, unpack_codes  # noqa: E402
+from trtspec.builder.gguf_lowering import centred  # noqa: E402
+from trtspec.int4_packing import minimum_digits, unpack_codes  # noqa: E402
 from trtspec.testing import gguf_blocks, make_tiny_gguf  # noqa: E402
 
 KEPT = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")

@@ -13,15 +13,14 @@ the Q/DQ form TensorRT reads; the manifest records which kernels the engine got.
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
 import shutil
 import time
 from pathlib import Path
 
 from ..engine_contract import EXACT_MIN_CALL_TOKENS, MATMUL_NBITS_ACCURACY_LEVEL, fuses_qdq
-from ..engines.onnxruntime import session_options
 from ..manifest import ENGINE_FORMAT, atomic_artifact, carry_files, export_source, versions
+from ..ort_session import session_options
 
 log = logging.getLogger("trtspec.build")
 QUANTIZED_KERNELS = ("MatMulNBits", "MatMulIntegerToFloat", "QLinearMatMul", "DequantizeLinear", "QuantizeLinear")
@@ -53,44 +52,13 @@ def _decode_graph(tmp: Path, graph: str, model: dict,
     return made
 
 
-def _gguf_weights(model, export_dir: Path, export_manifest: dict, int8_activations: bool) -> dict:
-    """A GGUF export's linear layers on the file's own blocks (ort_lowering.gguf_linears), the others quantized
-    to 4 bits here; returns the engine manifest's "quantization" section."""
-    import numpy as np
-
-    from .ort_lowering import GGUF_ACCURACY_LEVEL, gguf_linears, requantize_linears
-
-    section = export_manifest["gguf"]
-    level = MATMUL_NBITS_ACCURACY_LEVEL if int8_activations else GGUF_ACCURACY_LEVEL
-    kept, not_kept = section.get("kept", {}), section.get("not_kept", {})
-    with np.load(export_dir / section["blocks"]) if kept else contextlib.nullcontext({}) as arrays:
-        made = gguf_linears(model, arrays, kept, accuracy_level=level)
-    fired = sum(map(len, made.values()))
-    done = {layer for layers in made.values() for layer in layers}
-    in_float = sorted(set(kept) - done)  # 8-bit layers without int8 activations: float MatMul, the same weights
-    errors = requantize_linears(model, set(not_kept), accuracy_level=level)
-    types = collections.Counter(info["type"] for info in kept.values())
-    log.info("GGUF blocks: %d linear layers on the file's own codes (%s)%s%s", fired,
-             ", ".join(f"{k} x{v}" for k, v in sorted(types.items())) or "none",
-             f"; {len(in_float)} 8-bit layers as float MatMul (pass --int8-activations for MatMulNBits)"
-             if in_float else "",
-             f"; {len(errors)} quantized to 4 bits here (relative weight error up to {max(errors.values()):.2%})"
-             if errors else "")
-    names = [node.name for node in model.graph]
-    minimums = {"4-bit blocks over the block sums": sum(n.endswith("/gguf_with_block_sums") for n in names),
-                "float MatMul over the block sums": sum(n.endswith("/gguf_minimums") for n in names)}
-    return {"mode": "gguf", "block_size": 32, "weights": dict(types), "activations": None,
-            "kept": fired, "requantized": errors, "float": in_float, "minimums": minimums,
-            "matmul_nbits_accuracy_level": {"4-bit": level, "8-bit": MATMUL_NBITS_ACCURACY_LEVEL},
-            "packed": {k: v for k, v in made.items() if len(v) > 1}}
-
-
 def build_onnxruntime(export_dir: Path, export_manifest: dict, out_dir: Path, *, fuse_qdq: bool = True,
                       fusion: bool = True, weights: str | None = None, int8_activations: bool = False) -> Path:
     import onnx
     import onnx_ir as ir
     import onnxruntime as ort
 
+    from .gguf_lowering import gguf_weights
     from .ort_lowering import lower
 
     t0 = time.perf_counter()
@@ -136,7 +104,7 @@ def build_onnxruntime(export_dir: Path, export_manifest: dict, out_dir: Path, *,
     with atomic_artifact(out_dir, manifest) as tmp:
         model = ir.load(export_dir / graph)
         if gguf:
-            quantization = manifest["quantization"] = _gguf_weights(model, export_dir, export_manifest,
+            quantization = manifest["quantization"] = gguf_weights(model, export_dir, export_manifest,
                                                                     int8_activations)
         build["rewrites"] = lower(model, fuse_qdq=fuse, fusion=fusion)
         log.info("onnxruntime lowering: %s", ", ".join(f"{k} x{v}" for k, v in build["rewrites"].items()) or "nothing to rewrite")

@@ -32,7 +32,7 @@ import numpy as np
 
 from ..errors import UnsupportedModelError
 from ..kernels import blocks
-from ..quantization.int4_packing import pack_codes
+from ..int4_packing import pack_codes
 
 log = logging.getLogger("trtspec.export")
 
@@ -150,7 +150,7 @@ def weights_of(unpacked: dict) -> np.ndarray:
 
 
 def pack(unpacked: dict) -> np.ndarray:
-    """MatMulNBits' B [n, k/block, block * bits / 8] of a tensor's codes (quantization/int4_packing.py)."""
+    """MatMulNBits' B [n, k/block, block * bits / 8] of a tensor's codes (int4_packing.py)."""
     return pack_codes(unpacked["codes"], unpacked["bits"], unpacked["block"])
 
 

@@ -137,7 +137,7 @@ class Calibration:
         import onnx
         import onnxruntime as ort
 
-        from ..engines.onnxruntime import session_options
+        from ..ort_session import session_options
 
         graph = self.proto.graph
         producer = {out: node for node in graph.node for out in node.output}

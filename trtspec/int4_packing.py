@@ -1,7 +1,8 @@
 """How 4-bit (and 8-bit) weight codes are laid out in bytes for onnxruntime's MatMulNBits: its input B is
 [N, K / block, block * bits / 8] uint8, codes along K, two 4-bit codes a byte with the lower K index in the low
-nibble. Written once here for every producer: the INT4 passes' signed codes (builder/ort_lowering.py) and a GGUF
-file's own codes (exporter/gguf.py)."""
+nibble. Written once here for every producer: the INT4 passes' signed codes (builder/ort_lowering.py,
+builder/gguf_lowering.py) and a GGUF file's own codes (exporter/gguf.py). A bottom-layer module, so that the
+exporter and the builder share it without importing each other's stages."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def pack_zero_points(zero_points: np.ndarray) -> np.ndarray:
 
 
 # A block of minimums takes this many 4-bit digits at most; one that needs more keeps its float MatMul
-# (ort_lowering.gguf_linears). SmolLM2's centred Q4_1 remainders take 3 or 4 (25 and 185 of its 210 layers).
+# (builder/gguf_lowering.py: gguf_linears). SmolLM2's centred Q4_1 remainders take 3 or 4 (25 and 185 of its 210 layers).
 MAX_MINIMUM_DIGITS = 6
 
 
