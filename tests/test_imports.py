@@ -1,4 +1,5 @@
-"""No import cycles between trtspec's modules, lazy (function-level) imports included: they only hide a cycle."""
+"""trtspec's folders in layers, and no import cycles between its modules; lazy (function-level) imports included:
+they only hide an upward import or a cycle."""
 
 from __future__ import annotations
 
@@ -158,8 +159,8 @@ def test_engines_do_not_import_the_builder():
 
 def test_the_builder_takes_the_artifact_contract_from_engine_contract_not_from_the_engines():
     """What a built artifact promises its loader (MatMulNBits' accuracy level, Q/DQ fusion, the TensorRT plan's
-    profile lookup) lives in engine_contract.py; the builder imports from engines/ only what opens an engine (an
-    onnxruntime session to optimise with, TensorRT itself), never a constant."""
+    profile lookup) lives in engine_contract.py, and the onnxruntime session settings in ort_session.py; the builder
+    imports from engines/ only what opens TensorRT itself, never a constant."""
     import ast
 
     modules = module_files()
@@ -171,7 +172,7 @@ def test_the_builder_takes_the_artifact_contract_from_engine_contract_not_from_t
             if isinstance(node, ast.ImportFrom) and node.module and "engines" in node.module.split("."):
                 imported.setdefault(name, set()).update(a.name for a in node.names)
     everything = set().union(*imported.values())
-    assert everything <= {"session_options", "compute_capability", "import_tensorrt"}, everything
+    assert everything <= {"compute_capability", "import_tensorrt"}, everything
     graph = import_graph(modules)
     assert "trtspec.engine_contract" in graph["trtspec.builder.onnxruntime"]
     assert "trtspec.engine_contract" in graph["trtspec.engines.onnxruntime"]
@@ -197,3 +198,88 @@ def test_no_import_cycles_between_trtspec_modules():
     cycles = find_cycles(graph)
     assert not cycles, f"{len(cycles)} import cycle(s) between trtspec modules:\n" + "\n".join(
         describe(c, graph, modules) for c in cycles)
+
+
+# Bottom to top: a module may import from its own layer and the layers below it, never from one above. A layer is a
+# folder of trtspec/ or a module at its top; the first layer is the small modules every stage shares.
+LAYERS = (
+    ("errors", "engine_contract", "manifest", "progress", "onnx_graph", "int4_packing", "ort_session", "testing"),
+    ("kernels",),
+    ("exporter",),  # HF model / GGUF file -> step graph
+    ("quantization",),  # step graph -> step graph with Q/DQ
+    ("engines",),  # the engine protocol and its backends: run an artifact
+    ("builder",),  # step graph -> engine artifact
+    ("torch_backend",),  # trtspec.compile: the step contract as a compiled torch module
+    ("runtime",),  # engines -> speculative decoding
+    ("heads",),  # draft heads: their layouts and export
+    ("training",),
+    ("distill",),  # training drafts, measured through the runtime
+    ("server",),  # the OpenAI-compatible front over the runtime
+    ("bench",),  # `trtspec bench`
+    ("trtspec",),  # the package itself: the Python API, one function a command
+    ("cli",),
+    ("__main__",),
+)
+
+
+def layer_of(module: str) -> str:
+    """trtspec.runtime.drafters.suffix -> runtime; trtspec.errors -> errors; trtspec (the package) -> trtspec."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def layer_violations(graph: dict[str, dict[str, list[int]]], modules: dict[str, Path],
+                     layers: tuple[tuple[str, ...], ...] = LAYERS) -> list[str]:
+    """'file:line: a (layer i) imports b (layer j), above it' for each upward import, and each import between two
+    layers that import each other (whatever their order), one line per import statement."""
+    rank = {name: i for i, members in enumerate(layers) for name in members}
+    between: dict[tuple[str, str], list[tuple[str, str, int]]] = {}
+    for a, targets in graph.items():
+        for b, lines in targets.items():
+            la, lb = layer_of(a), layer_of(b)
+            if la != lb:
+                between.setdefault((la, lb), []).extend((a, b, n) for n in sorted(set(lines)))
+    found = []
+    for (la, lb), imports in sorted(between.items()):
+        for a, b, line in imports:
+            where = f"{modules[a].relative_to(PACKAGE.parent)}:{line}"
+            if la not in rank or lb not in rank:
+                unknown = la if la not in rank else lb
+                found.append(f"{where}: {a} imports {b}; layer {unknown!r} is not in LAYERS: add it where it belongs")
+            elif rank[lb] > rank[la]:
+                found.append(f"{where}: {a} (layer {la}) imports {b} (layer {lb}, above it)")
+            elif (lb, la) in between:
+                found.append(f"{where}: {a} (layer {la}) imports {b} (layer {lb}), and {lb} imports {la}")
+    return found
+
+
+def test_layer_violations_name_the_file_the_line_and_both_layers():
+    graph = {"trtspec.runtime.generator": {"trtspec.server.prompts": [116], "trtspec.errors": [3]},
+             "trtspec.server.app": {"trtspec.runtime.generator": [7]},
+             "trtspec.exporter.gguf": {"trtspec.quantization.int4_packing": [35]},
+             "trtspec.quantization.quantize": {"trtspec.exporter.contract": [17]}}
+    modules = {name: PACKAGE.parent / (name.replace(".", "/") + ".py")
+               for name in [*graph, "trtspec.server.prompts", "trtspec.errors", "trtspec.exporter.contract",
+                            "trtspec.quantization.int4_packing"]}
+    assert layer_violations(graph, modules) == [
+        "trtspec/exporter/gguf.py:35: trtspec.exporter.gguf (layer exporter) imports "
+        "trtspec.quantization.int4_packing (layer quantization, above it)",
+        "trtspec/quantization/quantize.py:17: trtspec.quantization.quantize (layer quantization) imports "
+        "trtspec.exporter.contract (layer exporter), and exporter imports quantization",
+        "trtspec/runtime/generator.py:116: trtspec.runtime.generator (layer runtime) imports trtspec.server.prompts "
+        "(layer server, above it)",
+        "trtspec/server/app.py:7: trtspec.server.app (layer server) imports trtspec.runtime.generator (layer runtime), "
+        "and runtime imports server",
+    ]
+
+
+def test_every_layer_of_trtspec_is_declared_once():
+    declared = [name for members in LAYERS for name in members]
+    assert len(declared) == len(set(declared))
+    assert {layer_of(m) for m in module_files()} == set(declared)
+
+
+def test_trtspec_imports_only_downward_between_its_layers():
+    modules = module_files()
+    found = layer_violations(import_graph(modules), modules)
+    assert not found, f"{len(found)} import(s) against the layer order (tests/test_imports.py: LAYERS):\n" + "\n".join(found)
