@@ -7,8 +7,8 @@ a function that returns at once and the logits buffers are zeroed, so every call
 proposals are then always accepted). What is left of a generation's time is the Python around the calls: the
 scheduler's rounds, the engines' input checks and bindings, argmax, emitting. Batch 1, greedy, 4 held-out prompts x
 256 tokens, median of 5 runs; target only (one lone row: the engine's own loop, engines.base.greedy_steps) and
-with the draft at k = 4 (per round and per token), in the lone row's loop (Scheduler._decode_round repeating its
-round while the row runs alone) and through the batch path every round (scheduler.lone_row_loops = False).
+with the draft at k = 4 (per round and per token), each round one step (schedule -> execute -> update), with
+scheduler.lone_row_loops on and off (off only sends a lone greedy row without drafts out of the engine's loop).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def main(argv=None):
     target, draft = load_engine(args.target), load_engine(args.draft)
     gens = {"target only": Generator(target), "draft, k = 4": Generator(target, draft, num_draft_tokens=4, k_policy="fixed"),
             "draft, k = 4, batch path": Generator(target, draft, num_draft_tokens=4, k_policy="fixed")}
-    gens["draft, k = 4, batch path"].scheduler.lone_row_loops = False  # every round through _decode_round
+    gens["draft, k = 4, batch path"].scheduler.lone_row_loops = False  # (the same steps with a draft)
     for g in gens.values():
         g.generate(prompts[0], max_new_tokens=8)  # bind the inputs of every call shape for real
     ort.InferenceSession.run_with_iobinding = lambda self, binding, run_options=None: None

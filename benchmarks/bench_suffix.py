@@ -109,7 +109,7 @@ def host_cost(texts: list[list[int]], trees: bool, rounds: int = 40, *, shaped: 
     the round's verdicts go back through ``accepted`` (each row accepting half its drafts), both counted. Without it:
     ``propose`` alone with no costs, every candidate kept (the figure quoted before 2026-11-26).
     ``one_token_matches``: SuffixDrafter's option (off: rows with no 2-token match propose nothing)."""
-    from trtspec.runtime.adaptive import CallCosts
+    from trtspec.runtime.load_aware import CallCosts
     from trtspec.runtime.drafters.suffix import SuffixDrafter
 
     rows = texts[:8]

@@ -250,7 +250,7 @@ def _exact_joint_constrained(model, constraint_of, prompt_ids, params, eos):
 
 
 def test_grammar_rounds_verify_forced_tokens_then_drafts_and_rejection_sampling_stays_exact(
-        exported, perturbed_export, model_dir, hf_model):
+        exported, perturbed_export, model_dir, hf_model, monkeypatch):
     """Under a grammar, a round verifies the tokens it forces and then drafts proposed after them, and the chain
     takes forced tokens without asking the draft: greedy output equals target-only output, and rejection sampling
     follows the grammar-masked target distribution exactly (chi-square over whole outputs)."""
@@ -262,15 +262,17 @@ def test_grammar_rounds_verify_forced_tokens_then_drafts_and_rejection_sampling_
     fmt = {"type": "regex", "regex": "(ab|cd|ef) = (xa|yb|zc)"}
     gen = Generator(target, draft, num_draft_tokens=3, k_policy="fixed", sampling="rejection")
     mixed, chains = [], []  # per forced row: (forced tokens, tokens verified); per row: which drafts were forced
-    constrain = gen.scheduler._constrain
+    import trtspec.runtime.worker as worker_module
 
-    def recording(rows, proposal, forced):
-        constrain(rows, proposal, forced)
+    constrain = worker_module.constrain  # (the worker lays a round's forced tokens in front of its drafts)
+
+    def recording(samplers, proposal, forced, room, max_drafts):
+        constrain(samplers, proposal, forced, room, max_drafts)
         mixed.extend((len(t), int(proposal.counts[s])) for s, t in (forced or {}).items())
         if proposal.forced is not None:
-            chains.extend(proposal.forced[s, : proposal.counts[s]].tolist() for s in range(len(rows)))
+            chains.extend(proposal.forced[s, : proposal.counts[s]].tolist() for s in range(len(samplers)))
 
-    gen.scheduler._constrain = recording
+    monkeypatch.setattr(worker_module, "constrain", recording)
     plain = Generator(target)
     prompt = "def"
     greedy = [r.text for r in plain.generate([prompt, "x"], max_new_tokens=16, response_format=fmt)]
@@ -419,22 +421,3 @@ def test_grammar_chains_near_the_cache_end_keep_every_rows_slots_inside_it(expor
         assert sum(r.stats.forced_tokens for r in got) >= 8
     plain.close()
     spec.close()
-
-
-def test_load_aware_k_records_no_round_whose_chain_held_forced_tokens(target, noisy):
-    """Forced tokens a chain takes after a proposal come whatever k is: the load-aware policy does not record a
-    round whose chains held any (counted as output, a k = 1 chain that reached a forced run looked better than any
-    longer one and drafting stayed at k = 1); a round of free text is recorded as it was."""
-    from trtspec.runtime.drafters import Proposal
-
-    gen = Generator(target, noisy, num_draft_tokens=4)  # k_policy "load-aware" (the default)
-    scheduler = gen.scheduler
-    scheduler._width, scheduler._expected = 1, None
-    marks = np.array([[False, True, True, True, False]])  # a proposal, three forced tokens, a proposal
-    chain = Proposal(np.zeros((1, 5), np.int64), np.array([5]), None, [(1, 1, 1e-3)], forced=marks)
-    scheduler._learn_round(1, 2, chain, 6, 6e-3)
-    assert scheduler.policy.rounds == {}
-    chain.forced = np.zeros_like(marks)
-    scheduler._learn_round(1, 4, chain, 5, 6e-3)
-    assert list(scheduler.policy.rounds) == [(1, 4, 1, False)] and scheduler.policy.rounds[(1, 4, 1, False)][:3] == [5, 6e-3, 1]
-    gen.close()

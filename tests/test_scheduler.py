@@ -13,7 +13,6 @@ import pytest
 from conftest import WrappedEngine
 from trtspec import Generator, Scheduler, load_engine
 from trtspec.engines.base import lease
-from trtspec.runtime.adaptive import LoadAwareK
 
 ARCH = "llama-gqa-rope3"
 OPTIONS = {"max_seq_len": 256, "max_batch": 4}
@@ -429,76 +428,6 @@ def test_a_request_whose_sink_raises_is_cancelled_alone(target, draft, alone):
     assert scheduler.stats().requests_cancelled == 1 and scheduler.stats().running == 0
 
 
-def test_load_aware_k_drafts_when_it_pays_and_stops_when_the_batch_is_full():
-    policy = LoadAwareK(8, list(range(1, 9)))
-    for _ in range(50):
-        policy.record_acceptance(4, 3)  # alpha = 0.75
-    # engine calls cost 1 ms + 0.5 ms per token they carry: verify calls grow with B * (k + 1)
-    for b in (1, 8):
-        for t in (1, 2, 3, 5, 9):
-            policy.target.record(b, t, 1e-3 + 0.5e-3 * b * t)
-        policy.draft.record(b, 1, 0.1e-3 + 0.05e-3 * b)
-    caps1, caps8 = np.full(1, 8), np.full(8, 8)
-    # before any round is measured, the estimate decides
-    k1 = policy.choose(1, caps1)
-    assert k1 >= 2
-    assert policy.tokens_per_second(1, k1, caps1) > policy.tokens_per_second(1, 0, caps1)
-    assert policy.choose(8, caps8) == 0
-    # measured rounds override the estimate: here drafting at batch 1 turns out slower than plain decoding
-    for _ in range(5):
-        policy.record_round(1, 0, 1, 4e-3)
-        for k in range(1, 9):
-            policy.record_round(1, k, 2, 10e-3)
-    assert policy.choose(1, caps1) == 0
-    # a neighbour of the best k is tried again after 16 rounds, so a change is noticed; while the best stays the
-    # gap doubles (32, 64, ...: a try costs a catch-up of the draft)
-    chosen = [policy.choose(8, caps8) for _ in range(16 + 32 + 64)]
-    tries = [i for i, k in enumerate(chosen) if k]
-    assert len(tries) == 3 and tries[0] < 16 and np.diff(tries).tolist() == [32, 64] and set(chosen) == {0, 1}
-    # a row that may draft only 2 caps the round's k for that row
-    assert policy.choose(1, np.array([2])) <= 2
-
-
-def test_load_aware_k_weighs_each_rows_own_acceptance():
-    # rounds measured on rows that accept a fifth of their drafts: drafting loses to plain decoding for such rows,
-    # and the same measurements, scaled to a row that accepts 90 %, say it pays for that row
-    policy = LoadAwareK(4, [1, 2, 3, 4])
-    caps, low, high = np.array([4]), [(20, 100)], [(90, 100)]
-    for _ in range(5):
-        for k in range(5):
-            expected = policy.expected_tokens(k, caps, alphas=policy.row_alphas(low))
-            policy.record_round(1, k, expected, 2.1e-3 + 0.6e-3 * k, expected=expected)
-    assert policy.choose_shape(1, caps, low)[0] == 0
-    assert policy.choose_shape(1, caps, high)[0] == 4
-    assert policy.last_expected == pytest.approx(policy.expected_tokens(4, caps, alphas=policy.row_alphas(high)))
-    # a row with nothing checked yet starts from the policy's alpha
-
-
-def test_load_aware_k_measures_sampled_rounds_apart_and_gives_sampled_rows_their_own_prior():
-    # the same acceptance, but sampled rounds cost more per drafted position (noise, the rejection rule): drafting
-    # pays for greedy rows and not for sampled ones, which a table shared by both would not see
-    policy = LoadAwareK(4, [1, 2, 3, 4])
-    caps, rows = np.array([4]), [(30, 40)]
-    for _ in range(5):
-        for k in range(5):
-            expected = policy.expected_tokens(k, caps, alphas=policy.row_alphas(rows))
-            policy.record_round(1, k, expected, 2.0e-3 + 0.3e-3 * k, expected=expected)
-            policy.record_round(1, k, expected, 2.0e-3 + 2.5e-3 * k, expected=expected, sampled=True)
-    greedy_k = policy.choose_shape(1, caps, rows)[0]
-    assert greedy_k >= 2
-    assert policy.choose_shape(1, caps, rows, sampled=True)[0] == 0
-    assert policy.choose(1, caps, rows, sampled=False) == greedy_k  # the sampled rounds left the greedy table alone
-    # a sampled row that has checked nothing yet starts from sampled rows' acceptance, a greedy one from greedy rows'
-    for _ in range(40):
-        policy.record_acceptance(4, 4)  # greedy rows: every draft accepted
-        policy.record_acceptance(4, 1, sampled=True)  # sampled rows: 1 of 2 checked
-    greedy, sampled, either = policy.row_alphas([(0, 0, False), (0, 0, True), (0, 0)])
-    assert sampled == pytest.approx(policy.alpha_of(1, sampled=True)) and sampled < 0.55
-    assert greedy == pytest.approx(policy.alpha_of(1, sampled=False)) and greedy > 0.95
-    assert either == pytest.approx(policy.alpha) and sampled < either < greedy
-    assert policy.row_alphas([(0, 0)]) == [pytest.approx(policy.alpha)]
-
-
 def test_a_stream_left_early_is_cancelled(target, alone):
     gen = Generator(target)
     stream = gen.stream(make_prompt(80, 4), max_new_tokens=150)
@@ -538,3 +467,43 @@ def test_warm_up_calls_every_engine_at_its_widest_and_leaves_outputs_exact(targe
     assert (4, 32) not in calls
     assert handle.result().token_ids == alone(make_prompt(99, 40), max_new_tokens=150).token_ids
     scheduler.close()
+
+
+def test_the_scheduler_plans_and_the_worker_makes_every_engine_call():
+    """scheduler.py decides (rows, chunks, k, width) and calls no engine and no drafter: it imports nothing from
+    engines/, calls none of an engine's or a drafter's methods, and reaches the worker only through execute (and
+    its leases); runtime/worker.py makes every call."""
+    import ast
+    from pathlib import Path
+
+    import trtspec.runtime.scheduler as scheduler_module
+
+    tree = ast.parse(Path(scheduler_module.__file__).read_text())
+    imports = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    assert not [m for m in imports if m and "engines" in m.split(".")]
+    engine_methods = {"forward", "keep_path", "save_prefix", "load_prefix", "move_row", "reset", "greedy_steps",
+                      "propose", "prefill", "accepted", "observe"}
+    calls, worker_calls = [], set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            owner = ast.unparse(node.func.value)
+            if owner == "self.worker":
+                worker_calls.add(node.func.attr)
+            elif node.func.attr in engine_methods:
+                calls.append(ast.unparse(node))
+    assert not calls, calls
+    assert worker_calls == {"execute", "locks"}
+
+
+def test_the_scheduler_knows_no_drafter_by_name_or_type():
+    """What a drafter needs is declared on its class (drafters.REGISTRY); scheduler.py names no drafter."""
+    from pathlib import Path
+
+    import trtspec.runtime.scheduler as scheduler_module
+    from trtspec.runtime.drafters import REGISTRY
+
+    source = Path(scheduler_module.__file__).read_text()
+    for name, cls in REGISTRY.items():
+        assert f'"{name}"' not in source and f"'{name}'" not in source, name
+        assert cls.__name__ not in source, cls.__name__
+    assert "SuffixThenDraft" not in source and "isinstance(self.drafter" not in source

@@ -292,34 +292,6 @@ def test_tree_sampling_follows_the_target_distribution(tree_sampling, monkeypatc
         assert _chi_square_p_value(counts, joint) < ALPHA
 
 
-def test_the_load_aware_policy_picks_trees_only_where_the_wider_call_pays():
-    from trtspec.runtime.adaptive import LoadAwareK
-
-    def policy_with(slope_ms):
-        policy = LoadAwareK(6, list(range(1, 30)), widths=(1, 3))
-        for _ in range(40):
-            policy.record_acceptance(4, 2)  # chains: alpha 0.6
-            policy.record_acceptance(4, 3, width=3)  # trees of width 3: 0.75 per depth
-        for t in range(1, 20):  # a call costs 2 ms + slope per token it carries
-            policy.target.record(1, t, 2e-3 + slope_ms * 1e-3 * t)
-        policy.draft.record(1, 1, 0.2e-3)
-        return policy
-
-    caps = np.array([6])
-    k, width = policy_with(0.02).choose_shape(1, caps)  # verify nearly free (a GPU): the tree
-    assert width == 3 and k >= 2
-    k, width = policy_with(0.6).choose_shape(1, caps)  # each token costs a third of a decode (this CPU): chains
-    assert width == 1
-    # measured rounds decide once there are enough: trees that emit more but take longer lose
-    policy = policy_with(0.02)
-    for _ in range(5):
-        for k in range(1, 7):
-            policy.record_round(1, k, 3, 10e-3, width=3)
-            policy.record_round(1, k, 2.5, 5e-3)
-        policy.record_round(1, 0, 1, 3e-3)
-    assert policy.choose_shape(1, caps)[1] == 1
-
-
 def test_a_load_aware_tree_round_stays_exact(tree_engine, perturbed_export):
     target = tree_engine("llama-gqa-rope3")
     reference = [r.token_ids for r in Generator(target).generate(PROMPTS, max_new_tokens=40)]

@@ -4,7 +4,8 @@ Each round, a grammar row's forced tokens (``forced_tokens``) go in front of its
 drafts after them (``drafts_after_forced``) sees them in the row's buffer and its logits processor
 (``ahead_of_forced``); a tree drafter drafts nothing for the row. ``constrain`` cuts a grammar row's chain at
 its first forbidden draft and lays the forced tokens in front of it (marked, so they count apart from the
-drafter's: ``forced_counts``). The scheduler calls these while it plans a round (scheduler._speculate).
+drafter's: ``forced_counts``). The scheduler plans a round's forced tokens (``forced_tokens``); the worker lays
+them into the round (the others). Rows are given by their RowSamplers.
 """
 
 from __future__ import annotations
@@ -12,30 +13,28 @@ from __future__ import annotations
 import numpy as np
 
 
-def forced_tokens(rows, caps, room, drafts_after: bool, most: int, max_drafts: int):
+def forced_tokens(samplers, caps, room: np.ndarray, drafts_after: bool, most: int, max_drafts: int):
     """{row: the tokens its grammar forces next}, or None when no row has a grammar. A row's cap (caps, changed in
-    place) shrinks by its forced tokens where the drafter drafts after them, else becomes 0. ``room()``: each
-    row's room for tokens this round (scheduler._room; asked once, when a row has forced tokens); ``most``: the
+    place) shrinks by its forced tokens where the drafter drafts after them, else becomes 0. ``room``: each
+    row's room for tokens this round (the cache's and its output's); ``most``: the
     forced tokens a round verifies at most; ``max_drafts``: the tokens a verify call carries past a row's last one."""
     forced = None
-    space = None
-    for s, r in enumerate(rows):
-        proc = r.sampler.processor
+    for s, sampler in enumerate(samplers):
+        proc = sampler.processor
         if proc is None or proc.constraint is None:
             continue
         forced = {} if forced is None else forced
         tokens = proc.forced()
         if tokens:
-            space = room() if space is None else space
-            tokens = tokens[: min(int(space[s]), most)]  # (rings: calls are short)
+            tokens = tokens[: min(int(room[s]), most)]  # (rings: calls are short)
         if tokens:
             forced[s] = tokens
-            caps[s] = max(0, min(int(caps[s]), int(space[s]) - len(tokens), max_drafts - len(tokens))
+            caps[s] = max(0, min(int(caps[s]), int(room[s]) - len(tokens), max_drafts - len(tokens))
                           if drafts_after else 0)
     return forced
 
 
-def ahead_of_forced(rows, forced, caps, tokens, n):
+def ahead_of_forced(samplers, forced, caps, tokens, n):
     """Each row's length as the drafter sees it: a row that drafts after forced tokens has them in its buffer
     (``tokens``, where they will be emitted: the grammar allows nothing else) and in its logits processor's state."""
     if not forced or not any(caps[s] for s in forced):
@@ -45,18 +44,18 @@ def ahead_of_forced(rows, forced, caps, tokens, n):
         if caps[s]:
             tokens[s, n[s] : n[s] + len(forced_row)] = forced_row
             for t in forced_row:
-                rows[s].sampler.processor.push(t)
+                samplers[s].processor.push(t)
             ahead[s] += len(forced_row)
     return ahead
 
 
-def constrain(rows, proposal, forced, room, max_drafts: int) -> None:
+def constrain(samplers, proposal, forced, room, max_drafts: int) -> None:
     """Grammar rows: drafts are cut at the first token the grammar forbids (a draft model proposes under the
     grammar already; prompt lookup does not); a forced row verifies its forced tokens, then its drafts (in place:
     ``proposal``'s drafts, counts, probs, forced marks and parents). ``room``: each row's room this round."""
     tree = proposal.parents is not None
-    for s, r in enumerate(rows):
-        proc = r.sampler.processor
+    for s, sampler in enumerate(samplers):
+        proc = sampler.processor
         m = int(proposal.counts[s])
         if proc is None or proc.constraint is None or not m or tree:
             continue  # (a tree's forbidden nodes are never accepted: the walk sees the processed logits)
@@ -67,7 +66,7 @@ def constrain(rows, proposal, forced, room, max_drafts: int) -> None:
         proposal.counts[s] = max(0, proc.allowed_prefix([*ahead, *proposal.drafts[s, :m].tolist()]) - len(ahead))
     if not forced:
         return
-    b, counts = len(rows), proposal.counts
+    b, counts = len(samplers), proposal.counts
     width = max([proposal.drafts.shape[1]] + [len(t) + int(counts[s]) for s, t in forced.items()])
 
     def widened(a, fill):  # [B, K, ...] -> [B, width, ...]

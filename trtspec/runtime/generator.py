@@ -48,8 +48,8 @@ class Generator:
 
     ``target``/``draft`` are engine or export directories, or loaded engines (``draft="self"``: the target's own
     INT4 build). ``drafter``: "draft" (default when a draft is given), "eagle3" or "medusa" (``draft`` is the
-    exported head, on a target exported with ``--hidden-states``), "prompt_lookup", "suffix" (no model: the
-    request's own text and earlier outputs) or "none".
+    exported head, on a target exported with ``--hidden-states``), "prompt_lookup", "suffix" (the request's own
+    text and earlier outputs; with a draft, the draft model drafts the rows it has no match for) or "none".
     ``k_policy`` "load-aware" (default) chooses k each round, up to ``num_draft_tokens``, from the measured
     costs at the current batch size; "fixed" drafts ``num_draft_tokens`` every round. ``tree_width`` > 1 drafts
     token trees and ``tree_nodes`` caps a tree's nodes (a target exported with ``--tree``); ``sampling``

@@ -66,3 +66,17 @@ class PrefixCache:
         self.entries[next(self._ids)] = (tokens.copy(), target, draft, pinned)
         self.nbytes += size
         return True
+
+
+def reusable_slots(hit, reusable) -> tuple[int, tuple | None]:
+    """Of a prefix ``hit`` (common tokens, target block, drafter block), the slots both caches can take back:
+    (how many, (target block, drafter block)); (0, None) when none. ``reusable(drafter block)``: how many leading
+    tokens of its block the drafter can take back (drafters.Drafter.reusable). Both caches must hold the reused
+    slots: the draft then reads the rest of the prompt alongside the target."""
+    if hit is None:
+        return 0, None
+    common, t_block, d_block = hit
+    reused = min(common, t_block.tokens, reusable(d_block))
+    if reused < max(t_block.min_head, d_block.min_head if d_block is not None else 0):
+        return 0, None  # a sliding-window ring no longer holds the window before that point
+    return reused, (t_block, d_block)

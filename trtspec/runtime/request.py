@@ -1,6 +1,6 @@
 """A request's life outside the engines: how it is made and checked (RequestBuilder: every check, in the caller's
 thread), its state, the handles a caller holds, its results and statistics. Where a request ends (EOS, stop strings,
-its token limit) is output.py's one stop rule."""
+its token limit) is stop_rule.py's one stop rule."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import numpy as np
 
 from .grammar import GrammarCompiler
 from .logits import LogitsProcessor
-from .output import Piece
+from .stop_rule import Piece
 from .sampling import SamplingParams
 from .verify import RowSampler
 from .tokenizer import encode_prompt
@@ -180,7 +180,7 @@ class Request:
     __slots__ = ("id", "seq", "prompt_ids", "max_new_tokens", "stop", "include_stop", "k", "priority", "sampler",
                  "sink", "submitted", "admitted", "last_emit", "cancelled", "prefix_only", "stats", "output",
                  "finish_reason", "streaming", "prompt_logprobs", "prompt_entries", "leader", "shared_prefix",
-                 "prompt_read", "error")
+                 "prompt_read", "error", "computed")
 
     def __init__(self, seq, prompt_ids, max_new_tokens, stop, include_stop, k, priority, sampler, sink,
                  prefix_only=False):
@@ -200,7 +200,7 @@ class Request:
         self.cancelled = False
         self.prefix_only = prefix_only
         self.stats = RequestStats(prompt_tokens=int(prompt_ids.size))
-        self.output = None  # output.RequestOutput, made when the request takes an engine row
+        self.output = None  # stop_rule.RequestOutput, made when the request takes an engine row
         self.finish_reason = None
         self.streaming = True  # False: nobody reads text deltas, the text is decoded once when it finishes
         self.prompt_logprobs = None  # N: log-probabilities of the prompt's tokens (and N alternatives) too
@@ -211,6 +211,7 @@ class Request:
         self.shared_prefix = None
         self.prompt_read = False
         self.error = None  # what failed it alone (finish_reason "error"; the scheduler's _fault)
+        self.computed = 0  # its tokens in the target's cache while it reads its prompt
 
 
 class RequestHandle:

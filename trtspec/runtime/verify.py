@@ -230,10 +230,10 @@ class RowSampler:
         return token, float(lp[token]), others
 
     @_owned
-    def verify(self, drafts: np.ndarray, parents: np.ndarray | None, draft_probs, target_logits: np.ndarray,
+    def accept(self, drafts: np.ndarray, parents: np.ndarray | None, draft_probs, target_logits: np.ndarray,
                position: int, chosen: np.ndarray | None = None) -> tuple[list[int], int]:
-        """The drafts the target accepts, and its own token after them (DESIGN.md §4): THE acceptance of every
-        round, for chains and token trees alike.
+        """The drafts the target accepts, and its own token after them (DESIGN.md §4): THE acceptance walk of every
+        round, for chains and token trees alike (verify_rows walks every row's).
 
         ``drafts[j]`` hangs below ``parents[j]`` (-1: the root, the row's last token; parents come first);
         ``parents`` None is a chain (parents j - 1). ``target_logits[0]`` is the root's, ``target_logits[j + 1]``
@@ -301,7 +301,7 @@ def verify_rows(samplers, drafts: np.ndarray, parents: np.ndarray | None, counts
             continue
         m = int(counts[s])
         try:
-            verdicts.append(sampler.verify(drafts[s, :m], None if parents is None else parents[s, :m],
+            verdicts.append(sampler.accept(drafts[s, :m], None if parents is None else parents[s, :m],
                                            None if probs is None else probs[s, :m], logits[s, : m + 1],
                                            int(positions[s]), chosen[s, : m + 1] if s in greedy else None))
         except Exception as exc:  # noqa: BLE001 - this request's own failure (a RowFault): it alone ends

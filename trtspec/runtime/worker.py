@@ -1,18 +1,17 @@
-"""The worker: owns the engines, the drafter and the rows' token buffers, and runs what the scheduler planned.
+"""The worker: owns the engines, the drafter and the rows' token buffers, and executes the scheduler's plans.
 
-vLLM v1's shape (shared/STYLE.md): the scheduler (runtime/scheduler.py) decides each step — which rows read which
-prompt chunk, each decoding row's draft budget, the round's k and tree width — and never calls a model. The worker
-executes those decisions over the engines and hands back what came of them:
-  read_prompts   one target call over the prompt-reading rows' chunks -> their logits (the first tokens are the
-                 scheduler's to choose and emit), then ``draft_reads`` lets the drafter read the same chunks;
-  propose        the drafter's Proposal for the decoding rows (chains or token trees; drafters/);
-  verify         ONE target call over [last token, drafts...] per row (a tree mask where a row drafted a tree),
-                 every row's verdict by the one acceptance rule (verify.verify_rows), and the accepted path's
-                 K/V moved into place (Engine.keep_path) -> Verdicts;
-  settle         after the scheduler emitted the accepted tokens: how much of each row the caches now hold (the
-                 drafter and a head's features learn it);
-  decode_alone   a lone greedy row with no drafts in the engine's own loop (engines.base.greedy_steps);
-and the cache moves: a row's prefix slots loaded at admission, saved at retirement, rows moved to close a gap.
+vLLM v1's model runner (shared/STYLE.md): ``execute(plan) -> StepResult`` makes every engine and drafter call of
+one step, in the plan's order (runtime/plan.py):
+  1. the rows' buffers take what their outputs took of the last result; the caches then hold each row's verified
+     tokens, and the drafter learns which of its rows' tokens were right (a head: their features);
+  2. the cache moves: finished rows' slots saved for the prefix cache and their outputs to a drafter that learns
+     from them, rows moved to close the gaps, newcomers' prompts and reused prefix slots loaded;
+  3. prompts: one target call over the prompt-reading rows' chunks; each finished prompt's first token chosen (its
+     request's sampler), then the drafter reads the same chunks;
+  4. the decoding rows' round: the grammar's forced tokens, the drafter's Proposal (drafters/), ONE target call
+     over [last token, forced..., drafts...] per row (a tree mask where a row drafted a tree), every row's
+     verdict by the one acceptance walk (verify.verify_rows), the accepted tree path's K/V moved into place;
+     or a lone greedy row's one-token calls in the engine's own loop (engines.base.greedy_steps).
 ``tokens`` [B, cap] holds each row's known tokens (``n``: how many; ``tc``: how many the target's cache holds).
 """
 
@@ -20,14 +19,17 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
 
 import numpy as np
 
 from ..engines import load_engine
 from ..engines.base import greedy_steps, lease, tree_positions
 from .drafters import Proposal
-from .verify import verify_rows
+from .forced import ahead_of_forced, constrain, forced_counts
+from .plan import (DecodeResult, DraftShape, LearnOutput, Load, LoneDecode, LoneResult, Move, PromptChunks,
+                   PromptResult, Save, StepPlan, StepResult, Verdict)
+from .sampling import SamplingParams, log_probs, logprob_entry
+from .verify import RowFault, verify_rows
 
 
 def open_engine(engine_or_path, num_threads):
@@ -35,18 +37,6 @@ def open_engine(engine_or_path, num_threads):
     if isinstance(engine_or_path, (str, os.PathLike)):
         return load_engine(engine_or_path, num_threads=num_threads)
     return engine_or_path
-
-
-@dataclass
-class Verdicts:
-    """What one verify call gave: per row (accepted nodes, next token), the exception its own sampler raised, or
-    None (a row that failed earlier this round); the call's width, the rows' tree depths ([B, W], None for
-    chains) and the seconds the call took."""
-
-    rows: list
-    width: int
-    depth: np.ndarray | None
-    seconds: float
 
 
 class Worker:
@@ -59,86 +49,156 @@ class Worker:
         self.n = np.zeros(max_batch, np.int64)  # known tokens per row (prompt + output)
         self.tc = np.zeros(max_batch, np.int64)  # tokens in the target's cache per row
         self._observe = getattr(drafter, "observe", None)  # drafters that read the target's features
-        self._learn_output = getattr(drafter, "finish", None)  # drafters that learn from finished outputs
+        self._verified = None  # the last round's (rows, n before it, accepted nodes per row) until it is settled
 
     def locks(self):
         """The engines' leases, in one order (another scheduler on the same engines waits for them)."""
         return [lock for _, lock in sorted({id(lease(e)): lease(e) for e in self.engines}.items())]
 
-    # -- the cache moves --------------------------------------------------------------------
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Every engine and drafter call of one step (the module docstring's order)."""
+        self._settle(plan.appended)
+        result = StepResult(saved=self._move_caches(plan.cache))
+        if plan.prompts is not None:
+            result.prompts = self._read_prompts(plan.prompts)
+        if plan.decode is not None:
+            result.decode = self._decode(plan.decode)
+        elif plan.alone is not None:
+            result.alone = self._decode_alone(plan.alone)
+        return result
 
-    def admit(self, row: int, prompt_ids: np.ndarray, hit) -> int:
-        """A request takes ``row``: its prompt into the buffer; of a prefix-cache ``hit`` (common tokens, the target's
-        and the drafter's saved blocks), the slots both caches can take back are loaded. Returns how many."""
-        plen = prompt_ids.size
-        self.tokens[row, :plen] = prompt_ids
+    # -- 1. what the outputs took -------------------------------------------------------------------------
+
+    def _settle(self, appended: dict | None) -> None:
+        """Each row's buffer takes the tokens its output took of the last result; after a round, each row's cache
+        holds its verified tokens (not the last one), the drafter learns which of its rows' tokens are right, a
+        head the features of the root and the accepted nodes. None: the last result is void (its rows failed)."""
+        if appended is None:
+            self._verified = None
+            return
+        for s, tokens in appended.items():
+            n = int(self.n[s])
+            self.tokens[s, n : n + len(tokens)] = tokens
+            self.n[s] = n + len(tokens)
+        verified, self._verified = self._verified, None
+        if verified is None:
+            return
+        b, n_before, paths = verified
+        valid = n_before.copy()
+        for s, path in enumerate(paths):
+            if path is not None:
+                valid[s] = min(int(n_before[s]) + len(path), int(self.n[s]))
+                self.tc[s] = valid[s]
+        if self._observe is not None:
+            features = self.target.features
+            nodes = [[0, *[j + 1 for j in path]] if path is not None else [0] for path in paths]
+            self._observe(0, n_before - 1, [features[s, nodes[s][: valid[s] - n_before[s] + 1]] for s in range(b)])
+        self.drafter.accepted(valid)
+
+    # -- 2. the cache moves ---------------------------------------------------------------------------------
+
+    def _move_caches(self, ops) -> list:
+        saved = []
+        for op in ops:
+            if isinstance(op, Move):
+                self._move_row(op.src, op.dst)
+            elif isinstance(op, Load):
+                self._load(op)
+            elif isinstance(op, Save):
+                keep = min(int(self.tc[op.row]), int(self.n[op.row]))
+                saved.append((self.tokens[op.row, :keep].copy(), *self._save(op.row, keep))
+                             if keep >= op.least else None)
+            elif isinstance(op, LearnOutput):
+                self.drafter.finish(op.row, self.tokens[op.row, : int(self.n[op.row])], op.prompt_len)
+        return saved
+
+    def _load(self, op: Load) -> None:
+        row, plen = op.row, op.prompt_ids.size
+        self.tokens[row, :plen] = op.prompt_ids
         self.n[row] = plen
-        reused, d_block = 0, None
-        if hit is not None:
-            common, t_block, d_block = hit
-            # both caches must hold the reused slots: the draft then reads the rest of the prompt alongside
-            reused = min(common, t_block.tokens, self.drafter.reusable(d_block))
-            if reused < max(t_block.min_head, d_block.min_head if d_block is not None else 0):
-                reused = 0  # a sliding-window ring no longer holds the window before that point
-        if reused > 0:
-            self.target.load_prefix(t_block.head(reused), row)
-        self.tc[row] = reused
-        self.drafter.admit(row, d_block, reused)
-        return reused
+        self.tc[row] = op.reused
+        t_block, d_block = op.blocks if op.reused else (None, None)
+        if op.reused:
+            self.target.load_prefix(t_block.head(op.reused), row)
+        self.drafter.admit(row, d_block, op.reused)
 
-    def save(self, row: int, keep: int) -> tuple:
+    def _save(self, row: int, keep: int) -> tuple:
         """The target's and the drafter's first ``keep`` slots of ``row``, for reuse."""
         return self.target.save_prefix(row, keep), self.drafter.save_prefix(row, keep)
 
-    def learn_output(self, row: int, start: int) -> None:
-        """A finished row's tokens from ``start`` on, to a drafter that learns from outputs (suffix decoding)."""
-        if self._learn_output is not None:
-            self._learn_output(row, self.tokens[row, start : int(self.n[row])])
-
-    def move_row(self, src: int, dst: int) -> None:
+    def _move_row(self, src: int, dst: int) -> None:
         self.target.move_row(src, dst, int(self.tc[src]))
         self.drafter.move_row(src, dst)
         self.tokens[dst] = self.tokens[src]
         self.n[dst] = self.n[src]
         self.tc[dst] = self.tc[src]
 
-    # -- prompts ------------------------------------------------------------------------------
+    # -- 3. prompts -------------------------------------------------------------------------------------------
 
-    def read_prompts(self, first: int, chunks: list[int]):
-        """Rows first, first + 1, ... read their next ``chunks[i]`` prompt tokens in one target call (shorter chunks
-        padded beyond their length: the pads' writes land in slots the mask hides and later writes overwrite).
-        Returns (ids, positions, chunk lengths, logits)."""
-        p = len(chunks)
-        chunk = np.array(chunks, np.int64)
-        width = int(chunk.max())
-        offsets = np.arange(width)
-        pos = self.tc[first : first + p, None] + offsets
+    def _read_prompts(self, plan: PromptChunks) -> PromptResult:
+        """One target call over the rows' chunks (shorter chunks padded beyond their length: the pads' writes land in
+        slots the mask hides and later writes overwrite); the first tokens; the drafter reads the same chunks."""
+        t0 = time.perf_counter()
+        first, p = plan.first, len(plan.chunks)
+        chunk = np.array(plan.chunks, np.int64)
+        offsets = np.arange(int(chunk.max()))
+        read = self.tc[first : first + p].copy()  # each row's tokens read before this chunk
+        pos = read[:, None] + offsets
         src = np.minimum(pos, self.tokens.shape[1] - 1)
         ids = np.where(offsets < chunk[:, None], np.take_along_axis(self.tokens[first : first + p], src, axis=1),
                        self.pad_id)
         logits = self.target.forward(ids, pos, first_row=first)
         self.tc[first : first + p] += chunk
-        return ids, pos, chunk, logits
-
-    def draft_reads(self, ids, pos, first: int, chunk: np.ndarray) -> None:
-        """The drafter reads the chunks the target just read (after the first tokens went out: they need only the
-        target); a head drafter gets the target's features of them."""
-        self.drafter.prefill(ids, pos, first, chunk)
+        entries, tokens = [None] * p, [None] * p
+        for i in range(p):
+            if plan.logprobs[i] is not None:
+                entries[i] = _prompt_entries(*plan.logprobs[i], logits[i, : chunk[i]], int(read[i]))
+            if plan.choosers[i] is not None:
+                try:
+                    tokens[i] = plan.choosers[i].choose(logits[i, chunk[i] - 1], int(self.n[first + i]))
+                except Exception as exc:  # noqa: BLE001 - this request's own failure: it alone ends
+                    tokens[i] = exc
+        draft_calls = self.drafter.prefill(ids, pos, first, chunk) or 0
         if self._observe is not None:
             features = self.target.features
-            self._observe(first, pos[:, 0], [features[i, : chunk[i]] for i in range(len(chunk))])
+            self._observe(first, pos[:, 0], [features[i, : chunk[i]] for i in range(p)])
+        shared = [(keep, *self._save(first + i, keep)) if keep else None for i, keep in enumerate(plan.share)]
+        return PromptResult(tokens, entries, shared, draft_calls, time.perf_counter() - t0)
 
-    # -- a decoding round -----------------------------------------------------------------------
+    # -- 4. a decoding round -----------------------------------------------------------------------------------
 
-    def propose(self, ahead: np.ndarray, caps: np.ndarray, samplers) -> Proposal:
-        """The drafter's drafts for rows [0, B): up to caps[s] each (``ahead``: each row's length as it drafts)."""
-        return self.drafter.propose(self.tokens[: caps.size], ahead, caps, samplers, self.capacity)
+    def _decode(self, plan: DraftShape) -> DecodeResult:
+        """The drafter's drafts (after each row's forced tokens), ONE target call over them, every row's verdict."""
+        t0 = time.perf_counter()
+        b, caps, forced = len(plan.samplers), plan.caps, plan.forced
+        faults = []
+        proposal = Proposal.empty(b)
+        if plan.k:
+            if plan.width != getattr(self.drafter, "tree_width", plan.width):
+                self.drafter.tree_width = plan.width  # this round's shape (the policy weighs trees and chains)
+            ahead = ahead_of_forced(plan.samplers, forced, caps, self.tokens, self.n[:b])
+            try:
+                proposal = self.drafter.propose(self.tokens[:b], ahead, caps, plan.samplers, self.capacity)
+            except RowFault as fault:  # one row's processing failed mid-step: that row ends, the others verify
+                row = next((s for s, r in enumerate(plan.samplers) if r is fault.owner), None)
+                if row is None:
+                    raise
+                faults.append((row, fault))  # (without drafts this round: their output is the same)
+        if forced is not None:
+            constrain(plan.samplers, proposal, forced, plan.room, self.max_drafts)
+        t1 = time.perf_counter()
+        logits, width, depth = self._verify_call(proposal)
+        t2 = time.perf_counter()
+        verdicts = self._verdicts(plan.samplers, proposal, logits, depth, {s for s, _ in faults})
+        tree = proposal.parents is not None
+        chains_forced = proposal.forced is not None and bool(proposal.forced.any())
+        return DecodeResult(verdicts, faults, proposal.calls, proposal.drafts.shape[1], width, tree, proposal.shape,
+                            chains_forced, t0, t1 - t0, t2 - t1)
 
-    def verify(self, samplers, proposal: Proposal, skip=()) -> Verdicts:
+    def _verify_call(self, proposal: Proposal):
         """ONE target call over each row's [last token, drafts...] (rows with fewer drafts padded beyond their
-        length; a tree's pads hang off the root, seen by nobody else), then every row's verdict
-        (verify.verify_rows) and its accepted path's K/V moved to the slots their positions give."""
-        b = len(samplers)
+        length; a tree's pads hang off the root, seen by nobody else) -> (logits [B, W, V], W, tree depths or None)."""
+        b = proposal.counts.size
         n = self.n[:b]
         drafts, parents, counts = proposal.drafts, proposal.parents, proposal.counts
         if parents is not None:  # every row writes the call's width of slots from n - 1: cut to the room left
@@ -148,51 +208,56 @@ class Worker:
         ids[:, 0] = self.tokens[np.arange(b), n - 1]
         real = np.arange(width - 1) < counts[:, None]
         ids[:, 1:] = np.where(real, drafts[:, : width - 1], self.pad_id)
-        t0 = time.perf_counter()
         if parents is None:
-            depth = None
-            logits = self.target.forward(ids, (n - 1)[:, None] + np.arange(width))
-        else:
-            call_parents = np.zeros((b, width), np.int64)
-            call_parents[:, 0] = -1
-            call_parents[:, 1:] = np.where(real, parents[:, : width - 1] + 1, 0)
-            mask, depth = tree_positions(call_parents)
-            logits = self.target.forward(ids, (n - 1)[:, None] + depth, tree_mask=mask)
-        seconds = time.perf_counter() - t0
-        verdicts = verify_rows(samplers, drafts, parents, counts, proposal.probs, logits, n, skip)
-        for s, verdict in enumerate(verdicts):
-            if isinstance(verdict, tuple) and parents is not None:
-                path = verdict[0]
-                if path != list(range(len(path))):  # the accepted nodes' K/V to the slots their positions give
-                    self.target.keep_path(s, int(n[s]) - 1, [0, *[j + 1 for j in path]])
-        return Verdicts(verdicts, width, depth, seconds)
+            return self.target.forward(ids, (n - 1)[:, None] + np.arange(width)), width, None
+        call_parents = np.zeros((b, width), np.int64)
+        call_parents[:, 0] = -1
+        call_parents[:, 1:] = np.where(real, parents[:, : width - 1] + 1, 0)
+        mask, depth = tree_positions(call_parents)
+        return self.target.forward(ids, (n - 1)[:, None] + depth, tree_mask=mask), width, depth
 
-    def settle(self, n_before: np.ndarray, verdicts: Verdicts) -> None:
-        """After the round's tokens were emitted (``n`` grown): each row's cache holds its verified tokens, not the
-        last one; the drafter learns which of its rows' tokens are right, a head the features of the root and the
-        accepted nodes."""
-        b = n_before.size
-        valid = self.n[:b].copy()
-        accepted = [len(v[0]) if isinstance(v, tuple) else None for v in verdicts.rows]
-        for s, a in enumerate(accepted):
-            if a is not None:
-                valid[s] = min(int(n_before[s]) + a, int(self.n[s]))
-                self.tc[s] = valid[s]
-            else:
-                valid[s] = n_before[s]
-        if self._observe is not None:
-            features = self.target.features
-            nodes = [[0, *[j + 1 for j in v[0]]] if isinstance(v, tuple) else [0] for v in verdicts.rows]
-            self._observe(0, n_before - 1, [features[s, nodes[s][: valid[s] - n_before[s] + 1]] for s in range(b)])
-        self.drafter.accepted(valid)
+    def _verdicts(self, samplers, proposal: Proposal, logits, depth, skip) -> list:
+        """Every row's Verdict (verify.verify_rows), the accepted tree path's K/V moved to the slots its positions
+        give; the round is settled when the next step says what the outputs took."""
+        b = len(samplers)
+        n = self.n[:b]
+        parents = proposal.parents
+        walks = verify_rows(samplers, proposal.drafts, parents, proposal.counts, proposal.probs, logits, n, skip)
+        verdicts, paths = [], []
+        for s, walk in enumerate(walks):
+            if not isinstance(walk, tuple):  # None (failed earlier this round) or its own sampler's exception
+                verdicts.append(walk)
+                paths.append(None)
+                continue
+            path, token = walk
+            m = int(proposal.counts[s])
+            if parents is not None and path != list(range(len(path))):
+                self.target.keep_path(s, int(n[s]) - 1, [0, *[j + 1 for j in path]])
+            # a chain's drafts, or the deepest path of a tree: the most this row's drafts could have given
+            proposed = m if parents is None else int(depth[s, : m + 1].max())
+            forced_accepted, forced = forced_counts(proposal, s, m, path)
+            source = proposal.sources[s] if proposal.sources is not None else self.drafter.name
+            verdicts.append(Verdict([*proposal.drafts[s, path].tolist(), token], len(path), proposed, forced,
+                                    forced_accepted, source))
+            paths.append(path)
+        self._verified = (b, n.copy(), paths)
+        return verdicts
 
-    def decode_alone(self, steps: int, on_token) -> tuple[int, float]:
-        """Row 0 alone, greedy, no drafts: one-token target calls in the engine's own loop, ``on_token(token)``
-        taking each (False: stop). Returns (calls, seconds in the engine)."""
+    def _decode_alone(self, plan: LoneDecode) -> LoneResult:
+        """Row 0 alone, greedy, no drafts: one-token target calls in the engine's own loop."""
+        t0 = time.perf_counter()
         n0 = int(self.n[0])
-        calls, seconds = greedy_steps(self.target, 0, int(self.tokens[0, n0 - 1]), n0 - 1, steps, on_token)
+
+        def on_token(token):
+            taken, go_on = plan.take(token)
+            if taken:
+                self.tokens[0, int(self.n[0])] = token
+                self.n[0] += 1
+            return go_on
+
+        calls, seconds = greedy_steps(self.target, 0, int(self.tokens[0, n0 - 1]), n0 - 1, plan.steps, on_token)
         self.tc[0] = min(n0 - 1 + calls, int(self.n[0]))  # the cache holds every token fed
-        return calls, seconds
+        return LoneResult(calls, seconds, t0)
 
     def warm_up(self, rows: int, width: int) -> None:
         """Each engine once at ``rows`` x ``width`` tokens (slots no request holds)."""
@@ -200,3 +265,10 @@ class Worker:
         pos = np.broadcast_to(np.arange(width), ids.shape)
         for engine in self.engines:
             engine.forward(ids, pos)
+
+
+def _prompt_entries(prompt: np.ndarray, n: int, logits: np.ndarray, start: int) -> list:
+    """The prompt logprob entries of positions start.. (logits [T, V]: position j's give the prompt's token j + 1)."""
+    greedy = SamplingParams()
+    return [logprob_entry(log_probs(greedy, logits[c]), int(prompt[start + c + 1]), n)
+            for c in range(min(logits.shape[0], prompt.size - 1 - start))]

@@ -10,8 +10,10 @@
     medusa          medusa.MedusaDrafter: Medusa heads on the target's last hidden state (product trees)
 and self_draft.self_draft: the target's own INT4 build as a draft model (draft="self").
 
-``make_drafter(name, ...)`` builds one from its name (the Scheduler's ``drafter``); the Scheduler checks the
-combination (a head needs its engine and a target that outputs features, trees a --tree target) before.
+``make_drafter(name, ...)`` builds one from its name (the Scheduler's ``drafter``). What each needs is declared on
+its class (base.Drafter: needs_draft_model, reads_features, combines_with_draft, proposes_trees, ...), read from
+REGISTRY: the Scheduler checks the combination (a head needs a target that outputs features, trees a --tree
+target) against them before, and knows no drafter by name.
 """
 
 from __future__ import annotations
@@ -21,30 +23,13 @@ from .draft_model import DraftModelDrafter
 from .eagle3 import Eagle3Drafter
 from .medusa import MedusaDrafter
 from .prompt_lookup import PromptLookupDrafter
-from .suffix import SuffixCache, SuffixDrafter, SuffixThenDraft
+from .suffix import SuffixDrafter, SuffixThenDraft
+from .suffix_text import SuffixCache
 
-
-def _suffix(target, draft, max_batch, pad_id, tree_width, tree_nodes):
-    # trees where the target verifies them; its cache of earlier outputs lives as long as the drafter
-    suffix = SuffixDrafter(max_batch, tree=bool(getattr(target, "tree_verify", False)), tree_nodes=tree_nodes,
-                           one_token_matches=draft is None)
-    return suffix if draft is None else SuffixThenDraft(suffix, DraftModelDrafter(draft, pad_id))
-
-
-# name -> (target, draft, max_batch, pad_id, tree_width, tree_nodes) -> Drafter
-REGISTRY = {
-    "draft": lambda target, draft, max_batch, pad_id, width, nodes: DraftModelDrafter(
-        draft, pad_id, tree_width=width, tree_nodes=nodes),
-    "eagle3": lambda target, draft, max_batch, pad_id, width, nodes: Eagle3Drafter(
-        draft, target, pad_id, tree_width=width, tree_nodes=nodes),
-    "medusa": lambda target, draft, max_batch, pad_id, width, nodes: MedusaDrafter(
-        draft, target, tree_nodes=nodes),  # the heads run in a small graph of their own: no draft engine
-    "prompt_lookup": lambda target, draft, max_batch, pad_id, width, nodes: PromptLookupDrafter(max_batch),
-    "suffix": _suffix,
-    "none": lambda target, draft, max_batch, pad_id, width, nodes: Drafter(),
-}
+# name -> the drafter's class: what it needs (base.Drafter's class attributes) and how one is made (``make``)
+REGISTRY: dict[str, type[Drafter]] = {cls.name: cls for cls in (
+    DraftModelDrafter, Eagle3Drafter, MedusaDrafter, PromptLookupDrafter, SuffixDrafter, Drafter)}
 DRAFTERS = tuple(REGISTRY)
-HEADS = ("eagle3", "medusa")  # drafters whose draft is a head on the target's features (draft=PATH of the head)
 
 
 def make_drafter(name: str, *, target, draft=None, max_batch: int, pad_id: int, tree_width: int = 1,
@@ -52,8 +37,51 @@ def make_drafter(name: str, *, target, draft=None, max_batch: int, pad_id: int, 
     """The drafter ``name`` (one of DRAFTERS) over a loaded target (and draft engine, or a head's path)."""
     if name not in REGISTRY:
         raise ValueError(f"unknown drafter {name!r}; choose one of {', '.join(DRAFTERS)}")
-    return REGISTRY[name](target, draft, max_batch, pad_id, tree_width, tree_nodes)
+    return REGISTRY[name].make(target=target, draft=draft, max_batch=max_batch, pad_id=pad_id, tree_width=tree_width,
+                               tree_nodes=tree_nodes)
 
 
-__all__ = ["ANY", "DRAFTERS", "HEADS", "REGISTRY", "DraftModelDrafter", "Drafter", "Eagle3Drafter", "MedusaDrafter",
-           "PromptLookupDrafter", "Proposal", "SuffixCache", "SuffixDrafter", "SuffixThenDraft", "make_drafter"]
+def default_drafter(draft) -> str:
+    """The drafter when none is named: the draft model's when a draft is given, else none."""
+    return DraftModelDrafter.name if draft is not None else Drafter.name
+
+
+def check_drafter(name: str, draft, target) -> None:
+    """The drafter ``name`` checked against what its class says it needs (a draft model, a head, a target's
+    features) and the ``draft`` given; raises the user's error."""
+    if name not in REGISTRY:
+        raise ValueError(f"unknown drafter {name!r}; choose one of {', '.join(DRAFTERS)}")
+    kind = REGISTRY[name]
+    if kind.reads_features and draft is None:
+        raise ValueError(f"drafter {name!r} needs its head: pass draft=PATH of the exported head (trtspec export-head)")
+    if kind.needs_draft_model and draft is None:
+        raise ValueError(f"drafter {name!r} needs a draft model: pass draft=PATH (or choose prompt_lookup/none)")
+    if kind.reads_features and not hasattr(target, "features"):
+        raise ValueError(f"drafter {name!r} reads the target's hidden states, which the {target.backend} "
+                         "engine does not return; use the onnxruntime engine of a --hidden-states export")
+    if not (kind.needs_draft_model or kind.reads_features or kind.combines_with_draft) and draft is not None:
+        raise ValueError(f"a draft model was given but drafter is {name!r}; drop one of them")
+
+
+def check_tree(name: str, width, nodes, target) -> tuple[int, int | None]:
+    """tree_width / tree_nodes checked against the drafter and the target (a tree needs a --tree export)."""
+    if not isinstance(width, int) or isinstance(width, bool) or width < 1:
+        raise ValueError(f"tree_width must be an integer >= 1 (1: chains), got {width!r}")
+    if nodes is not None and (not isinstance(nodes, int) or isinstance(nodes, bool) or nodes < 1):
+        raise ValueError(f"tree_nodes must be an integer >= 1 (or None: depth x width), got {nodes!r}")
+    if width > 1 or nodes is not None:
+        kind = REGISTRY[name]
+        if width > 1 and not (kind.branches or kind.reads_features):
+            raise ValueError(f"tree_width applies to the draft-model and head drafters, not {name!r}")
+        if not kind.proposes_trees:
+            raise ValueError(f"tree_nodes applies to the draft-model, head and suffix drafters, not {name!r}")
+        if not getattr(target, "tree_verify", False):
+            raise ValueError(f"the target {target.path} cannot verify token trees: re-export it with "
+                             "--tree (trtspec export) or compile it with tree=True (torch backend), or use "
+                             "tree_width=1 (chains)")
+    return width, nodes
+
+
+__all__ = ["ANY", "DRAFTERS", "REGISTRY", "DraftModelDrafter", "Drafter", "Eagle3Drafter", "MedusaDrafter",
+           "PromptLookupDrafter", "Proposal", "SuffixCache", "SuffixDrafter", "SuffixThenDraft", "check_drafter",
+           "check_tree", "default_drafter", "make_drafter"]

@@ -30,7 +30,7 @@ class Proposal:
     probs: np.ndarray | None = None  # [B, K, V]: the draft distributions of rows that sample by rejection
     calls: list[tuple[int, int, float]] = field(default_factory=list)
     # a token tree instead of chains: parents[r, j] is the index of drafts[r, j]'s parent among the row's drafts,
-    # -1 for the row's last token (parents before children); verified in one tree call (runtime/tree.py)
+    # -1 for the row's last token (parents before children); verified in one tree call (the walk: verify.RowSampler.accept)
     parents: np.ndarray | None = None
     shape: str | None = None  # the tree's shape as reported in the stats, e.g. "4x3"
     # [B, K] bool: drafts a grammar forced (jump-forward), not proposed: they count apart from the drafter's own
@@ -45,9 +45,24 @@ class Proposal:
 
 class Drafter:
     name = "none"
+    # What a drafter needs, read from its class through the registry (drafters.REGISTRY) before one is made: the
+    # Scheduler checks the combination against these and knows no drafter by name.
+    proposes_drafts = False  # "none" proposes nothing; every other drafter drafts
+    needs_draft_model = False  # draft=PATH is required: a draft model's engine (eagle3: its head's)
+    reads_features = False  # a head on the target's hidden states (draft=PATH: the exported head)
+    combines_with_draft = False  # draft=PATH is optional: a draft model drafts the rows it has nothing for
+    proposes_trees = False  # token trees of up to tree_nodes nodes, where the target verifies trees (a --tree export)
+    branches = False  # tree_width > 1: siblings beside its chains, each round's width the load-aware policy's choice
+    shapes_own_rounds = False  # it shapes each round itself from the verify call's measured costs (``costs``)
+    costs = None  # (rows, tokens per row, tree) -> the verify call's seconds or None, for a drafter shaping its rounds
     # whether propose() may get, for a row whose grammar forces its next tokens, an n past them (they are in
-    # ``tokens`` and the row's logits processor, not yet in the target's cache)
+    # ``tokens`` and the row's logits processor, not yet in the target's cache): chains only, never trees
     drafts_after_forced = False
+
+    @classmethod
+    def make(cls, *, target, draft, max_batch: int, pad_id: int, tree_width: int, tree_nodes: int | None) -> Drafter:
+        """One over a loaded target (and ``draft``: a loaded draft engine, a head's path, or None)."""
+        return cls()
 
     def admit(self, row: int, prefix: SavedPrefix | None, n: int) -> None:
         """A request takes ``row``; the first n slots of ``prefix`` (from save_prefix) are reused (n may be 0)."""
@@ -60,8 +75,10 @@ class Drafter:
         """What this drafter keeps of the first n tokens of ``row`` for reuse, or None."""
         return None
 
-    def prefill(self, input_ids: np.ndarray, position_ids: np.ndarray, first_row: int, fed: np.ndarray) -> None:
-        """Rows [first_row, first_row + P) read the same prompt chunk as the target: ids [P, T], fed [P]."""
+    def prefill(self, input_ids: np.ndarray, position_ids: np.ndarray, first_row: int, fed: np.ndarray) -> int:
+        """Rows [first_row, first_row + P) read the same prompt chunk as the target: ids [P, T], fed [P]. Returns
+        the draft-engine calls it made."""
+        return 0
 
     def propose(self, tokens: np.ndarray, n: np.ndarray, caps: np.ndarray, samplers, capacity: int) -> Proposal:
         """Up to caps[r] drafts for each row r (tokens [B, cap], n [B], caps [B], one RowSampler per row)."""
@@ -72,3 +89,6 @@ class Drafter:
 
     def move_row(self, src: int, dst: int) -> None:
         """Row src moves to dst (the batch is compacted)."""
+
+    def finish(self, row: int, tokens: np.ndarray, prompt_len: int) -> None:
+        """The request in ``row`` finished with ``tokens`` (its prompt's ``prompt_len``, then its output)."""

@@ -7,18 +7,26 @@ import time
 import numpy as np
 
 from ...engines.base import greedy_steps
-from ..tree import branching_tree, pack_trees
+from .trees import branching_tree, pack_trees
 from .base import Drafter, Proposal
 
 
 class DraftModelDrafter(Drafter):
     """Chain drafting with a small model over its own engine and KV cache.
 
-    ``tree_width`` > 1 makes each round's chain a tree (runtime/tree.branching_tree): beside the chain token at
+    ``tree_width`` > 1 makes each round's chain a tree (drafters/trees.branching_tree): beside the chain token at
     each depth, the draft's next tree_width - 1 likeliest tokens, up to ``tree_nodes`` nodes in all; the draft
     makes the same calls as for the chain, the target verifies the tree in one call (a --tree export)."""
 
     name = "draft"
+    proposes_drafts = True
+    needs_draft_model = True
+    proposes_trees = True
+    branches = True
+
+    @classmethod
+    def make(cls, *, target, draft, max_batch, pad_id, tree_width, tree_nodes):
+        return cls(draft, pad_id, tree_width=tree_width, tree_nodes=tree_nodes)
 
     def __init__(self, engine, pad_id: int, *, tree_width: int = 1, tree_nodes: int | None = None):
         self.engine = engine
@@ -31,10 +39,9 @@ class DraftModelDrafter(Drafter):
 
     forced_beyond_k = 16  # a grammar row's forced tokens a chain may hold beyond its k proposals
 
-    @property
-    def drafts_after_forced(self) -> bool:
-        """A chain may start after a row's grammar-forced tokens (the catch-up call reads them); a tree may not."""
-        return self.tree_width == 1
+    # a chain may start after a row's grammar-forced tokens (the catch-up call reads them); a tree may not (the
+    # scheduler asks for chains only: a round of width 1)
+    drafts_after_forced = True
 
     def admit(self, row, prefix, n):
         if n:
@@ -51,6 +58,7 @@ class DraftModelDrafter(Drafter):
     def prefill(self, input_ids, position_ids, first_row, fed):
         self.engine.forward(input_ids, position_ids, first_row=first_row)
         self.cached[first_row : first_row + fed.size] += fed
+        return 1
 
     def propose(self, tokens, n, caps, samplers, capacity):
         # tokens [B, cap] int64, n [B], caps [B] -> Proposal(drafts [B, K], counts [B], probs [B, K, V] or None)

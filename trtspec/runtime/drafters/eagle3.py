@@ -6,7 +6,7 @@ prompt chunks, the root and accepted drafts of each round); a round first feeds 
 call, whose last output predicts the first draft, then one one-token call per further draft, each reading the
 head's own previous output instead of target features. Those drafted entries are overwritten next round (the
 head's cache only ever counts the verified pairs). Drafts are chains, or with ``tree_width`` > 1 chains with
-siblings (runtime/tree.branching_tree), exactly as the draft-model drafter makes them.
+siblings (drafters/trees.branching_tree), exactly as the draft-model drafter makes them.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import numpy as np
 
 from ...errors import ArtifactError
 from ...manifest import DRAFT_TO_TARGET
-from ..tree import branching_tree, pack_trees
+from .trees import branching_tree, pack_trees
 from .base import Drafter, Proposal
 
 
@@ -44,6 +44,15 @@ def draft_to_target(engine) -> np.ndarray:
 
 class Eagle3Drafter(Drafter):
     name = "eagle3"
+    proposes_drafts = True
+    needs_draft_model = True  # its head runs on an engine of its own
+    reads_features = True
+    proposes_trees = True
+    branches = True
+
+    @classmethod
+    def make(cls, *, target, draft, max_batch, pad_id, tree_width, tree_nodes):
+        return cls(draft, target, pad_id, tree_width=tree_width, tree_nodes=tree_nodes)
 
     def __init__(self, head, target, pad_id: int, *, tree_width: int = 1, tree_nodes: int | None = None):
         model = head.manifest["model"]
@@ -102,7 +111,7 @@ class Eagle3Drafter(Drafter):
         return _HeadPrefix(block, self._features(row, 0, keep).copy(), pairs)
 
     def prefill(self, input_ids, position_ids, first_row, fed):
-        pass  # the head reads the target's features of those tokens (observe)
+        return 0  # the head reads the target's features of those tokens (observe)
 
     def observe(self, first_row, starts, features):
         """The target verified positions starts[i], starts[i] + 1, ... of row first_row + i: their features [m_i, F]."""

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from ...errors import ArtifactError
-from ..tree import pack_trees, product_tree
+from .trees import pack_trees, product_tree
 from .base import Drafter, Proposal
 from .eagle3 import feature_columns
 
@@ -98,11 +98,18 @@ class MedusaDrafter(Drafter):
     After each target call the scheduler hands over the features of the verified positions (``observe``); the
     last one, at position n - 2, predicted the row's last token n - 1 through the target's lm_head, and head i
     guesses token n + i. A round's tree is the Cartesian product of each head's top choices grown best-first by
-    the product of their probabilities (runtime/tree.product_tree) up to ``tree_nodes`` nodes; a target exported
+    the product of their probabilities (drafters/trees.product_tree) up to ``tree_nodes`` nodes; a target exported
     without --tree gets the chain of each head's first choice. No draft engine, no cache: prefixes reuse freely.
     """
 
     name = "medusa"
+    proposes_drafts = True
+    reads_features = True  # (its heads run in a small graph of their own: no draft engine)
+    proposes_trees = True
+
+    @classmethod
+    def make(cls, *, target, draft, max_batch, pad_id, tree_width, tree_nodes):
+        return cls(draft, target, tree_nodes=tree_nodes)
     TOP = (4, 3, 2, 2, 2, 2, 2, 2)  # candidates per head, nearest first (a node's budget goes best-first anyway)
 
     def __init__(self, heads, target, *, tree_nodes: int | None = None):
@@ -126,9 +133,6 @@ class MedusaDrafter(Drafter):
 
     def save_prefix(self, row, n):
         return None
-
-    def prefill(self, input_ids, position_ids, first_row, fed):
-        pass
 
     def observe(self, first_row, starts, features):
         for i, (start, f) in enumerate(zip(starts, features)):

@@ -15,7 +15,12 @@ class PromptLookupDrafter(Drafter):
     """
 
     name = "prompt_lookup"
+    proposes_drafts = True
     drafts_after_forced = True  # the lookup reads the forced tokens like any others
+
+    @classmethod
+    def make(cls, *, target, draft, max_batch, pad_id, tree_width, tree_nodes):
+        return cls(max_batch)
 
     def __init__(self, max_batch: int, max_ngram: int = 3):
         self.max_ngram = max_ngram

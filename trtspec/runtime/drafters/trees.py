@@ -1,8 +1,9 @@
-"""Token trees for one-call verification (exporter/contract.py: the tree_mask input).
+"""The token trees drafters propose (drafters/base.Proposal: ``drafts`` with ``parents``, each node's parent among
+the drafts, -1 for the row's last token, parents first).
 
-A drafter proposes a tree as ``drafts`` with ``parents`` (each node's parent among the drafts, -1 for the row's
-last token, parents first); the scheduler verifies every node in one target call, the row's sampler walks the
-tree (verify.RowSampler.verify, the walk every chain takes too) and the engine keeps the accepted path's K/V (Engine.keep_path).
+Verification is verify.py's, for trees as for chains: the worker verifies every node in one target call (a tree
+mask: engines.base.tree_positions), the row's sampler walks the tree (verify.RowSampler.accept, the walk every
+chain takes too) and the engine keeps the accepted path's K/V (Engine.keep_path).
 
 Shapes built here:
 - ``branching_tree``: a draft chain with, at each depth, the draft's next likeliest tokens as siblings (leaves)

@@ -1,6 +1,6 @@
 """Load-aware k: each round, the draft length that gives the most tokens per second at the current batch size.
 
-What counts is measured: for each (batch size, k) the scheduler records whole decode rounds — draft
+What counts is measured: for each (batch size, k) the statistics (runtime/stats.py) record whole decode rounds — draft
 calls, the verify call, acceptance and bookkeeping — as tokens emitted and seconds taken, and the
 policy picks the k with the best recent tokens per second. A (batch, k) not measured yet (or seen
 fewer than _TRUSTED times) is estimated from the engine calls measured so far: one draft catch-up
@@ -197,6 +197,11 @@ class LoadAwareK:
             scale = expected / seen[3] if seen[3] > 0 else 1.0
             return seen[0] * scale / seen[1]
         return expected / self._estimated_cost(b, k, width)
+
+    def call_cost(self, b: int, t: int, tree: bool = False) -> float | None:
+        """Seconds of a target call over b rows of t tokens (tree calls apart), as measured or fitted so far; None
+        before any was measured. A drafter that shapes its own rounds (suffix) reads its costs here."""
+        return (self.tree_target if tree else self.target).estimate(b, t)
 
     def choose(self, b: int, caps: np.ndarray, seen=None, sampled: bool = False) -> int:
         """The best k for this round (0: plain decoding); ``caps`` [rows] bounds each row's k."""

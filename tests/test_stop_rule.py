@@ -1,4 +1,4 @@
-"""One stop rule on every path (runtime/output.py).
+"""One stop rule on every path (runtime/stop_rule.py).
 
 Target-only and speculative generation, alone, in a list wider than the engines' rows, streamed, and served
 to the official `openai` client (stream and not) all return the text, token ids and finish reason of a
@@ -13,7 +13,7 @@ import pytest
 
 from conftest import MAX_BATCH, Server
 from trtspec import Generator, Scheduler, VocabularyMismatchError, export, load_engine
-from trtspec.runtime.output import RequestOutput
+from trtspec.runtime.stop_rule import RequestOutput
 from trtspec.runtime.tokenizer import load_tokenizer
 from trtspec.server import create_app
 
