@@ -38,7 +38,7 @@ def test_distill_reduces_kl_and_writes_a_usable_draft(tmp_path, target, corpus):
 
     out = tmp_path / "draft"
     report = distill(target, out, [corpus], steps=40, batch=4, seq=64, eval_prompts=3, eval_tokens=12,
-                     checkpoint_every=20, log_fn=lambda m: None)
+                     checkpoint_every=20)
     teacher = AutoModelForCausalLM.from_pretrained(target).eval()
     draft = AutoModelForCausalLM.from_pretrained(out).eval()
     # the draft has the target's family, a smaller shape, and the target's tokenizer, file for file
@@ -50,7 +50,7 @@ def test_distill_reduces_kl_and_writes_a_usable_draft(tmp_path, target, corpus):
     # draft's, and below that of the same draft trained on the text alone (kd_weight 0) for as long
     # (a random tiny target is near-uniform, so the KL starts small)
     baseline = tmp_path / "baseline"
-    distill(target, baseline, [corpus], steps=40, batch=4, seq=64, kd_weight=0.0, eval_prompts=0, log_fn=lambda m: None)
+    distill(target, baseline, [corpus], steps=40, batch=4, seq=64, kd_weight=0.0, eval_prompts=0)
     torch.manual_seed(0)
     untrained = AutoModelForCausalLM.from_config(draft_config(teacher.config)).eval()
     tok = AutoTokenizer.from_pretrained(target)
@@ -120,7 +120,7 @@ def test_sampled_continuations_keep_the_prompt_and_follow_the_seed(target):
 
 
 def test_distill_refuses_bad_input(tmp_path, target, corpus):
-    quiet = dict(steps=1, batch=2, seq=16, eval_prompts=0, log_fn=lambda m: None)
+    quiet = dict(steps=1, batch=2, seq=16, eval_prompts=0)
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "notes.txt").write_text("mine")
@@ -175,7 +175,7 @@ def test_a_float16_target_trains_a_float32_draft_and_stores_it_as_float16(tmp_pa
     AutoModelForCausalLM.from_pretrained(target).to(torch.float16).save_pretrained(half)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(target / name, half / name)
-    report = distill(half, tmp_path / "d", [corpus], steps=6, batch=2, seq=32, eval_prompts=0, log_fn=lambda m: None)
+    report = distill(half, tmp_path / "d", [corpus], steps=6, batch=2, seq=32, eval_prompts=0)
     assert np.isfinite(report["heldout_kl"]) and np.isfinite(report["heldout_perplexity"])  # fp16 master weights diverge
     draft = AutoModelForCausalLM.from_pretrained(tmp_path / "d")
     assert next(draft.parameters()).dtype == torch.float16

@@ -164,16 +164,17 @@ def distill(target, out, data, *, method: str = "draft", heldout=None, pattern: 
             temperature: float = 1.0, kd_weight: float = 1.0, sampled_fraction: float = 0.0, seed: int = 0,
             dtype: str | None = None, bf16: bool = True, eval_prompts: int = 16, eval_k: int = 4,
             eval_tokens: int = 64, threads: int | None = None, checkpoint_every: int = 50,
-            draft_vocab: int | None = None, ttt_steps: int = 3, medusa_heads: int = 4, log_fn=None) -> dict:
+            draft_vocab: int | None = None, ttt_steps: int = 3, medusa_heads: int = 4) -> dict:
     """Train a draft for ``target`` into ``out`` (an HF model directory) and return the report (see module doc).
 
     ``method``: "draft" (a small model of the target's family; batch 16, lr 3e-3 by default), "eagle3" (an
     EAGLE-3 head on the target's low/mid/high features, distill/heads.distill_eagle3: ``draft_vocab`` 2048,
     ``ttt_steps``, ``intermediate``) or "medusa" (Medusa heads on its last hidden state, distill/heads.distill_medusa:
     ``draft_vocab`` 1024, ``medusa_heads``); heads train with batch 8, lr 2e-3 by default. ``trtspec distill
-    --method`` is this call.
+    --method`` is this call. Progress goes to the "trtspec" logger.
     data/heldout: text files or directories (searched for ``pattern``). Without ``heldout``, files whose
-    relative path hashes to 0 mod 20 are held out (and never trained on).
+    relative path hashes to 0 mod 20 are held out (and never trained on). The acceptance check measures
+    ``eval_prompts`` held-out prompts at k = ``eval_k`` for ``eval_tokens`` new tokens each (0 prompts: skipped).
     """
     if method not in METHODS:
         raise DistillError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
@@ -190,7 +191,7 @@ def distill(target, out, data, *, method: str = "draft", heldout=None, pattern: 
 
         common = dict(heldout=heldout, pattern=pattern, steps=steps, minutes=minutes, batch=batch or 8, seq=seq,
                       lr=lr or 2e-3, seed=seed, bf16=bf16, eval_prompts=eval_prompts, threads=threads,
-                      checkpoint_every=checkpoint_every, log_fn=log_fn)
+                      checkpoint_every=checkpoint_every)
         if method == "eagle3":
             return distill_eagle3(target, out, data, draft_vocab=draft_vocab or 2048, intermediate=intermediate,
                                   ttt_steps=ttt_steps, eval_k=eval_k, eval_tokens=eval_tokens, **common)
@@ -199,13 +200,6 @@ def distill(target, out, data, *, method: str = "draft", heldout=None, pattern: 
         raise DistillError("draft_vocab sizes a head's vocabulary (method 'eagle3' or 'medusa'); a draft model "
                            "keeps the target's")
     batch, lr = batch or 16, lr or 3e-3
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    say = log_fn or (lambda msg: print(msg, flush=True))
-    target, out = Path(target), Path(out)
-    if steps is None and minutes is None:
-        steps = 1000
     if not 0.0 <= kd_weight <= 1.0:
         raise DistillError(f"kd_weight must be in [0, 1] (1: pure distillation, 0: no distillation), got {kd_weight}")
     if temperature <= 0:
@@ -214,6 +208,22 @@ def distill(target, out, data, *, method: str = "draft", heldout=None, pattern: 
         raise DistillError(f"sampled_fraction must be in [0, 1), got {sampled_fraction}")
     if seq < 8 or batch < 1:
         raise DistillError(f"seq must be >= 8 and batch >= 1 (got seq {seq}, batch {batch})")
+    return _distill_draft(Path(target), Path(out), data, heldout=heldout, pattern=pattern,
+                          shape=dict(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
+                                     intermediate=intermediate),
+                          steps=1000 if steps is None and minutes is None else steps, minutes=minutes, batch=batch,
+                          seq=seq, lr=lr, temperature=temperature, kd_weight=kd_weight,
+                          sampled_fraction=sampled_fraction, seed=seed, dtype=dtype, bf16=bf16,
+                          eval_prompts=eval_prompts, eval_k=eval_k, eval_tokens=eval_tokens, threads=threads,
+                          checkpoint_every=checkpoint_every)
+
+
+def _target_and_tokenizer(target: Path, out: Path):
+    """(the target's HF config, its ArchSpec, its tokenizer), each checked before any training; ``out`` checked
+    to be a new or empty directory."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from ..exporter.architectures import arch_spec
     from ..exporter.gguf import hf_source
 
     folder, source = hf_source(target)
@@ -221,8 +231,6 @@ def distill(target, out, data, *, method: str = "draft", heldout=None, pattern: 
         raise UnsupportedModelError(f"{target} has no config.json; pass the target's Hugging Face model directory "
                                     "or GGUF file")
     target_config = AutoConfig.from_pretrained(folder, **source)
-    from ..exporter.architectures import arch_spec
-
     spec = arch_spec(target_config)  # unknown families are refused here, before any work
     check_out_dir(out)
     try:
@@ -233,30 +241,42 @@ def distill(target, out, data, *, method: str = "draft", heldout=None, pattern: 
     if len(tokenizer) > spec.vocab_size:
         raise DistillError(f"{target}'s tokenizer has {len(tokenizer)} tokens but its model's vocabulary has "
                            f"{spec.vocab_size}: they do not belong together")
+    return target_config, spec, tokenizer
+
+
+def _distill_draft(target: Path, out: Path, data, *, heldout, pattern, shape: dict, steps, minutes, batch, seq, lr,
+                   temperature, kd_weight, sampled_fraction, seed, dtype, bf16, eval_prompts, eval_k, eval_tokens,
+                   threads, checkpoint_every) -> dict:
+    """distill() of a draft model, its options checked."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ..exporter.architectures import arch_spec
+
+    target_config, spec, tokenizer = _target_and_tokenizer(target, out)
     if threads:
         torch.set_num_threads(threads)
-
-    train_ids, held_ids, train_files, held_files = load_text(tokenizer, data, heldout, pattern, seq, spec.vocab_size, say)
+    train_ids, held_ids, train_files, held_files = load_text(tokenizer, data, heldout, pattern, seq, spec.vocab_size,
+                                                             log.info)
 
     teacher = frozen_teacher(target)
-    config = draft_config(target_config, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
-                          intermediate=intermediate)
+    config = draft_config(target_config, **shape)
     torch.manual_seed(seed)
     draft = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # float32 master weights, whatever the target is stored in
     draft.config.use_cache = True
     emb_init = init_embeddings(draft, teacher)
     n_params = sum(p.numel() for p in draft.parameters())
     draft_spec = arch_spec(config)
-    say(f"[distill] target {spec.model_type} {spec.num_layers} layers x {spec.hidden_size}; draft {draft_spec.num_layers} "
-        f"layers x {draft_spec.hidden_size}, {draft_spec.num_heads} heads ({draft_spec.num_kv_heads} KV), "
-        f"{n_params / 1e6:.2f}M parameters; embeddings: {emb_init}")
+    log.info(f"[distill] target {spec.model_type} {spec.num_layers} layers x {spec.hidden_size}; draft "
+             f"{draft_spec.num_layers} layers x {draft_spec.hidden_size}, {draft_spec.num_heads} heads "
+             f"({draft_spec.num_kv_heads} KV), {n_params / 1e6:.2f}M parameters; embeddings: {emb_init}")
 
     cfg = TrainConfig(steps=steps, minutes=minutes if steps is None else None, batch=batch, seq=seq, lr=lr, seed=seed,
                       bf16=bf16, checkpoint_every=checkpoint_every,
                       extra={"target": str(target.resolve()), "draft_config": config.to_diff_dict(),
                              "temperature": temperature, "kd_weight": kd_weight, "sampled_fraction": sampled_fraction,
                              "train_tokens": int(train_ids.size)})
-    loop = TrainLoop(draft, cfg, out / WORK, name="distill", log=say)
+    loop = TrainLoop(draft, cfg, out / WORK, name="distill", log=log.info)
     n_sampled = round(sampled_fraction * batch)
 
     def batch_fn(step):
@@ -274,16 +294,8 @@ def distill(target, out, data, *, method: str = "draft", heldout=None, pattern: 
 
     seconds = loop.run(batch_fn, loss_fn)
 
-    say("[distill] evaluating on the held-out text")
+    log.info("[distill] evaluating on the held-out text")
     metrics = heldout_metrics(draft, teacher, held_ids, seq)
-    final = out / WORK / "final"
-    save_dtype = getattr(torch, dtype) if dtype else (getattr(target_config, "dtype", None) or torch.float32)
-    if isinstance(save_dtype, str):
-        save_dtype = getattr(torch, save_dtype)
-    draft.to(save_dtype).save_pretrained(final)
-    tokenizer.save_pretrained(final)
-    if (target / "generation_config.json").is_file():
-        shutil.copy(target / "generation_config.json", final / "generation_config.json")
     report = {
         "target": str(target), "draft": str(out), "parameters": n_params, "config": config.to_diff_dict(),
         "embedding_init": emb_init, "data": {"train_files": len(train_files), "heldout_files": len(held_files),
@@ -294,25 +306,39 @@ def distill(target, out, data, *, method: str = "draft", heldout=None, pattern: 
                      "train_minutes": seconds / 60},
         "loss_curve": loop.history, **metrics,
     }
-    for f in final.iterdir():  # the model appears in out only once it is complete
-        f.replace(out / f.name)
-    (out / REPORT).write_text(json.dumps(report, indent=2))
-    shutil.rmtree(out / WORK)
-
+    _save_draft(draft, tokenizer, target, out, dtype or getattr(target_config, "dtype", None), report)
     if eval_prompts:
         prompts = heldout_prompts(held_files, tokenizer, eval_prompts)
         if not prompts:  # held out as the end of the stream: prompts are windows of it
             starts = range(0, max(0, held_ids.size - 48), max(48, held_ids.size // eval_prompts))
             prompts = [tokenizer.decode(held_ids[s : s + 48]) for s in starts][:eval_prompts]
         if prompts:
-            say(f"[distill] measuring greedy acceptance at k={eval_k} through trtspec engines ({len(prompts)} prompts)")
-            report["acceptance"] = measure_acceptance(target, out, prompts, method="draft", k=eval_k, max_new_tokens=eval_tokens,
-                                                      threads=threads)
+            log.info(f"[distill] measuring greedy acceptance at k={eval_k} through trtspec engines ({len(prompts)} prompts)")
+            report["acceptance"] = measure_acceptance(target, out, prompts, method="draft", k=eval_k,
+                                                      max_new_tokens=eval_tokens, threads=threads)
             (out / REPORT).write_text(json.dumps(report, indent=2))
-    say(f"[distill] wrote {out}: held-out KL {metrics.get('heldout_kl', float('nan')):.3f}, perplexity "
-        f"{metrics.get('heldout_perplexity', float('nan')):.2f} (target {metrics.get('target_heldout_perplexity', float('nan')):.2f})"
-        + (f", alpha {report['acceptance']['alpha']:.3f} at k={eval_k}" if "acceptance" in report else ""))
+    log.info(f"[distill] wrote {out}: held-out KL {metrics.get('heldout_kl', float('nan')):.3f}, perplexity "
+             f"{metrics.get('heldout_perplexity', float('nan')):.2f} (target "
+             f"{metrics.get('target_heldout_perplexity', float('nan')):.2f})"
+             + (f", alpha {report['acceptance']['alpha']:.3f} at k={eval_k}" if "acceptance" in report else ""))
     return report
+
+
+def _save_draft(draft, tokenizer, target: Path, out: Path, dtype, report: dict) -> None:
+    """The draft in ``dtype`` (a name or a torch dtype; None: float32), its tokenizer and the target's generation
+    config into ``out``, which holds the model only once it is complete; then the report."""
+    import torch
+
+    final = out / WORK / "final"
+    save_dtype = getattr(torch, dtype) if isinstance(dtype, str) else (dtype or torch.float32)
+    draft.to(save_dtype).save_pretrained(final)
+    tokenizer.save_pretrained(final)
+    if (target / "generation_config.json").is_file():
+        shutil.copy(target / "generation_config.json", final / "generation_config.json")
+    for f in final.iterdir():
+        f.replace(out / f.name)
+    (out / REPORT).write_text(json.dumps(report, indent=2))
+    shutil.rmtree(out / WORK)
 
 
 def sample_continuations(teacher, windows, prompt_len: int, seed: int, step: int, eos_id):

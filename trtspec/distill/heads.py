@@ -10,6 +10,7 @@ engines (speculative decoding with the head, greedy).
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -28,6 +29,8 @@ from ..training import (
     load_text,
     random_windows,
 )
+
+log = logging.getLogger("trtspec")
 
 EAGLE3_STEP_WEIGHT = 0.8  # the loss of drafted position j weighs 0.8^j (EAGLE-3's choice)
 
@@ -90,13 +93,13 @@ def distill_eagle3(target, out, data, *, heldout=None, pattern: str = "*.py", dr
                    intermediate: int | None = None, ttt_steps: int = 3, steps: int | None = None,
                    minutes: float | None = None, batch: int = 8, seq: int = 256, lr: float = 2e-3, seed: int = 0,
                    bf16: bool = True, eval_prompts: int = 16, eval_k: int = 4, eval_tokens: int = 64,
-                   threads: int | None = None, checkpoint_every: int = 50, log_fn=None) -> dict:
+                   threads: int | None = None, checkpoint_every: int = 50) -> dict:
     """Train an EAGLE-3 head for ``target`` into ``out`` (the released layout, heads/eagle3.py); returns the report."""
     import torch
 
     from ..heads.eagle3 import Eagle3Config, default_layers, draft_vocabulary, head_parameters, init_from_target, make_head, save_head
 
-    say = log_fn or (lambda msg: print(msg, flush=True))
+    say = log.info
     target, out = Path(target), Path(out)
     if steps is None and minutes is None:
         steps = 600
@@ -207,14 +210,14 @@ def medusa_targets(teacher, windows, num_heads: int, draft_ids):
 def distill_medusa(target, out, data, *, heldout=None, pattern: str = "*.py", num_heads: int = 4,
                    draft_vocab: int = 1024, steps: int | None = None, minutes: float | None = None, batch: int = 8,
                    seq: int = 256, lr: float = 2e-3, seed: int = 0, bf16: bool = True, eval_prompts: int = 16,
-                   threads: int | None = None, checkpoint_every: int = 50, log_fn=None, **_ignored) -> dict:
+                   threads: int | None = None, checkpoint_every: int = 50) -> dict:
     """Train Medusa heads for ``target`` into ``out`` (heads/medusa.py); returns the report."""
     import torch
 
     from ..heads.eagle3 import draft_vocabulary
     from ..heads.medusa import make_heads, save_heads
 
-    say = log_fn or (lambda msg: print(msg, flush=True))
+    say = log.info
     target, out = Path(target), Path(out)
     if steps is None and minutes is None:
         steps = 400

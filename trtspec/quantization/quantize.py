@@ -73,33 +73,9 @@ def quantize(
     (int4 modes) is quantized once for both uses.
     """
     export_dir, out_dir = Path(export_dir), Path(out_dir)
-    if mode not in MODES:
-        raise ValueError(f"unknown quantization mode {mode!r}; choose one of {', '.join(MODES)}")
+    block_size, act_order = _checked_options(mode, block_size, calib_file, calib_samples, act_order)
     w_fmt, a_fmt, calibrated, scaling = MODES[mode]
-    if w_fmt == "int4":
-        block_size = DEFAULT_BLOCK_SIZE if block_size is None else block_size
-        if block_size not in BLOCK_SIZES:
-            raise ValueError(f"block size {block_size} is not supported; choose one of {', '.join(map(str, BLOCK_SIZES))}")
-    elif block_size is not None:
-        raise ValueError(f"--block-size applies only to the int4 modes, not {mode}; drop it")
-    if not calibrated and (calib_file is not None or calib_samples is not None):
-        raise ValueError(f"{mode} does not calibrate; drop --calib-file/--calib-samples "
-                         "(they apply to int8-sq, fp8, int4-awq, int4-gptq)")
-    if act_order is not None and scaling != "gptq":
-        raise ValueError(f"act_order (--no-act-order) applies only to int4-gptq, not {mode}; drop it")
-    act_order = True if act_order is None else act_order
-    if calib_samples is not None and calib_samples < 1:
-        raise ValueError(f"calib_samples must be at least 1 (got {calib_samples})")
-    manifest = read_manifest(export_dir)
-    if manifest["format"] != EXPORT_FORMAT:
-        raise ArtifactError(f"{export_dir} is a built engine, not an export; quantize the export/ directory it was built from")
-    if "quantization" in manifest:
-        raise ArtifactError(
-            f"{export_dir} is already quantized ({manifest['quantization']['mode']}); quantize the unquantized export "
-            f"it came from ({manifest['quantization']['source']['export_dir']})"
-        )
-    if out_dir.resolve() == export_dir.resolve():
-        raise ValueError("the output directory is the export itself; write the quantized artifact elsewhere (-o)")
+    manifest = _unquantized_export(export_dir, out_dir)
 
     import onnx_ir as ir
 
@@ -112,58 +88,11 @@ def quantize(
     linears = passes.find_linears(model, report, include_lm_head=quantize_lm_head)
     if not linears:
         raise ArtifactError(f"{graph_path} has no MatMul with a constant weight to quantize")
-    groups = passes.group_by_activation(linears)
-    tied = passes.find_tied_head(model)
-    is_tied = tied is not None
-    if tied is not None and not quantize_lm_head:
-        report.entries.append(Entry(tied.name, tuple(tied.weight_array().shape), "skipped", "tied to the embedding; "
-                                    "left in high precision (pass --quantize-lm-head to quantize both uses in INT4)",
-                                    0, 0))
-    elif tied is not None and w_fmt != "int4":
-        report.entries.append(Entry(tied.name, tuple(tied.weight_array().shape), "skipped",
-                                    "tied to the embedding; a tied lm_head is quantized in the int4 modes only", 0, 0))
-        tied = None
-    elif tied is not None and tied.embedding.shape[1] % block_size:
-        report.entries.append(Entry(tied.name, tuple(tied.weight_array().shape), "skipped",
-                                    f"tied to the embedding; block size {block_size} does not divide the hidden "
-                                    f"size {tied.embedding.shape[1]}", 0, 0))
-        tied = None
-    if not quantize_lm_head:
-        tied = None
-
-    calibration, cal = None, None
-    units = _units(groups)
-    if calibrated:
-        from transformers import AutoTokenizer
-
-        texts, calibration = calibrate.load_texts(calib_file)
-        tokenizer = AutoTokenizer.from_pretrained(export_dir / manifest["tokenizer"])
-        # one call per window: at most the tokens a call may carry (fewer where sliding-window layers keep rings)
-        seq_len = min(CALIB_SEQ_LEN, max_call_tokens(manifest["model"]))
-        windows = calibrate.token_windows(texts, tokenizer, calib_samples or DEFAULT_CALIB_SAMPLES, seq_len)
-        calibration.update(samples=len(windows), tokens=int(sum(map(len, windows))), seq_len=seq_len,
-                           tokens_sha256=calibrate.windows_sha256(windows))
-        log.info("calibrating %s on %d windows of up to %d tokens", mode, len(windows), seq_len)
-        cal = calibrate.Calibration(graph_path, manifest["model"], windows)
-    wanted = _stats_wanted(scaling, block_size)
-    work = [*units, *([[[tied]]] if tied is not None else [])]  # the tied head: a unit of one group of itself
-    plan = _calibration_passes(work, cal, wanted, _stats_budget(manifest["model"])) if cal else [work]
-    progress = Progress(f"quantize {mode}", len(work), "layer", log)
-    for p, part in enumerate(plan):
-        stats = {}
-        if cal is not None:
-            names = list(dict.fromkeys(g[0].activation.name for unit in part for g in unit))
-            progress.pause()
-            stats = cal.collect(names, **wanted, what=f"pass {p + 1}/{len(plan)}" if len(plan) > 1 else "")
-            progress.resume()
-        for unit in part:
-            if isinstance(unit[0][0], passes.TiedHead):
-                _quantize_tied(model, tied, scaling, stats, block_size, act_order, report)
-            else:
-                _quantize_unit(model, unit, stats, mode, block_size, act_order, report)
-            progress.update(progress.done + 1, unit[0][0].name)
-        del stats
-    progress.close()
+    found = passes.find_tied_head(model)
+    tied = _tied_head_to_quantize(found, quantize_lm_head, w_fmt, block_size, report) if found is not None else None
+    calibration, cal = _calibration(export_dir, manifest, mode, calib_file, calib_samples) if calibrated else (None, None)
+    _quantize_layers(model, _units(passes.group_by_activation(linears)), tied, cal, manifest["model"], mode, scaling,
+                     block_size, act_order, report)
     if not report.quantized():
         raise ArtifactError(f"no MatMul could be quantized with {mode}:\n{report.format()}")
     model.graph.sort()
@@ -174,7 +103,7 @@ def quantize(
         "weights": w_fmt,
         "activations": a_fmt,
         "lm_head": quantize_lm_head,
-        "tied_lm_head": is_tied,
+        "tied_lm_head": found is not None,
         "calibration": calibration,
         # AWQ's search: what decides its scales besides the text (bfloat16 products only where the CPU is fast)
         "search": ({"matmul_dtype": str(numerics.search_dtype()).removeprefix("torch."), "rows": AWQ_ROWS,
@@ -194,6 +123,100 @@ def quantize(
     log.info("%s", report.format())
     log.info("wrote %s in %.1f s", out_dir, time.perf_counter() - t0)
     return out_dir
+
+
+def _checked_options(mode: str, block_size, calib_file, calib_samples, act_order) -> tuple[int | None, bool]:
+    """quantize()'s options checked against its mode: (the block size, None outside the int4 modes; act_order)."""
+    if mode not in MODES:
+        raise ValueError(f"unknown quantization mode {mode!r}; choose one of {', '.join(MODES)}")
+    w_fmt, _, calibrated, scaling = MODES[mode]
+    if w_fmt == "int4":
+        block_size = DEFAULT_BLOCK_SIZE if block_size is None else block_size
+        if block_size not in BLOCK_SIZES:
+            raise ValueError(f"block size {block_size} is not supported; choose one of {', '.join(map(str, BLOCK_SIZES))}")
+    elif block_size is not None:
+        raise ValueError(f"--block-size applies only to the int4 modes, not {mode}; drop it")
+    if not calibrated and (calib_file is not None or calib_samples is not None):
+        raise ValueError(f"{mode} does not calibrate; drop --calib-file/--calib-samples "
+                         "(they apply to int8-sq, fp8, int4-awq, int4-gptq)")
+    if act_order is not None and scaling != "gptq":
+        raise ValueError(f"act_order (--no-act-order) applies only to int4-gptq, not {mode}; drop it")
+    if calib_samples is not None and calib_samples < 1:
+        raise ValueError(f"calib_samples must be at least 1 (got {calib_samples})")
+    return block_size, True if act_order is None else act_order
+
+
+def _unquantized_export(export_dir: Path, out_dir: Path) -> dict:
+    """The manifest of ``export_dir``, an export not yet quantized and not ``out_dir`` itself."""
+    manifest = read_manifest(export_dir)
+    if manifest["format"] != EXPORT_FORMAT:
+        raise ArtifactError(f"{export_dir} is a built engine, not an export; quantize the export/ directory it was built from")
+    if "quantization" in manifest:
+        raise ArtifactError(
+            f"{export_dir} is already quantized ({manifest['quantization']['mode']}); quantize the unquantized export "
+            f"it came from ({manifest['quantization']['source']['export_dir']})"
+        )
+    if out_dir.resolve() == export_dir.resolve():
+        raise ValueError("the output directory is the export itself; write the quantized artifact elsewhere (-o)")
+    return manifest
+
+
+def _tied_head_to_quantize(tied: passes.TiedHead, quantize_lm_head: bool, w_fmt: str, block_size: int | None,
+                           report: QuantizationReport) -> passes.TiedHead | None:
+    """The lm_head tied to the embedding, where it is quantized (once for both uses); else None, and the report
+    says why it is left in high precision."""
+    shape = tuple(tied.weight_array().shape)
+    if not quantize_lm_head:
+        why = "tied to the embedding; left in high precision (pass --quantize-lm-head to quantize both uses in INT4)"
+    elif w_fmt != "int4":
+        why = "tied to the embedding; a tied lm_head is quantized in the int4 modes only"
+    elif tied.embedding.shape[1] % block_size:
+        why = (f"tied to the embedding; block size {block_size} does not divide the hidden size "
+               f"{tied.embedding.shape[1]}")
+    else:
+        return tied
+    report.entries.append(Entry(tied.name, shape, "skipped", why, 0, 0))
+    return None
+
+
+def _calibration(export_dir: Path, manifest: dict, mode: str, calib_file, calib_samples):
+    """(the manifest's calibration section, a Calibration over the windows of the calibration text)."""
+    from transformers import AutoTokenizer
+
+    texts, calibration = calibrate.load_texts(calib_file)
+    tokenizer = AutoTokenizer.from_pretrained(export_dir / manifest["tokenizer"])
+    # one call per window: at most the tokens a call may carry (fewer where sliding-window layers keep rings)
+    seq_len = min(CALIB_SEQ_LEN, max_call_tokens(manifest["model"]))
+    windows = calibrate.token_windows(texts, tokenizer, calib_samples or DEFAULT_CALIB_SAMPLES, seq_len)
+    calibration.update(samples=len(windows), tokens=int(sum(map(len, windows))), seq_len=seq_len,
+                       tokens_sha256=calibrate.windows_sha256(windows))
+    log.info("calibrating %s on %d windows of up to %d tokens", mode, len(windows), seq_len)
+    return calibration, calibrate.Calibration(export_dir / manifest["graph"], manifest["model"], windows)
+
+
+def _quantize_layers(model, units, tied, cal, model_config: dict, mode: str, scaling, block_size, act_order,
+                     report: QuantizationReport) -> None:
+    """Each unit's layers (and the tied head) quantized in place, in as few calibration passes as the statistics'
+    memory budget allows (one pass over the windows collects the statistics of a part of the units)."""
+    wanted = _stats_wanted(scaling, block_size)
+    work = [*units, *([[[tied]]] if tied is not None else [])]  # the tied head: a unit of one group of itself
+    plan = _calibration_passes(work, cal, wanted, _stats_budget(model_config)) if cal else [work]
+    progress = Progress(f"quantize {mode}", len(work), "layer", log)
+    for p, part in enumerate(plan):
+        stats = {}
+        if cal is not None:
+            names = list(dict.fromkeys(g[0].activation.name for unit in part for g in unit))
+            progress.pause()
+            stats = cal.collect(names, **wanted, what=f"pass {p + 1}/{len(plan)}" if len(plan) > 1 else "")
+            progress.resume()
+        for unit in part:
+            if isinstance(unit[0][0], passes.TiedHead):
+                _quantize_tied(model, tied, scaling, stats, block_size, act_order, report)
+            else:
+                _quantize_unit(model, unit, stats, mode, block_size, act_order, report)
+            progress.update(progress.done + 1, unit[0][0].name)
+        del stats
+    progress.close()
 
 
 def _gptq_detail(act_order: bool) -> str:
