@@ -236,7 +236,11 @@ def test_only_health_is_open_without_the_key(target):
 
 
 def test_api_keys_come_from_a_file_or_the_environment(tmp_path, monkeypatch):
-    from trtspec.cli import api_keys_of, build_parser
+    from trtspec.cli import build_parser
+    from trtspec.server.launch import api_keys
+
+    def api_keys_of(args):
+        return api_keys(args.api_key, args.api_key_file)
 
     parser = build_parser()
     key_file = tmp_path / "keys"
@@ -249,7 +253,7 @@ def test_api_keys_come_from_a_file_or_the_environment(tmp_path, monkeypatch):
     monkeypatch.delenv("TRTSPEC_API_KEY")
     assert api_keys_of(parser.parse_args(["serve", "--target", "t"])) is None
     key_file.write_text("# nothing but a comment\n")
-    with pytest.raises(SystemExit, match="no API key"):
+    with pytest.raises(ValueError, match="no API key"):
         api_keys_of(parser.parse_args(["serve", "--target", "t", "--api-key-file", str(key_file)]))
 
 

@@ -2,11 +2,16 @@
 
 export (HF dir -> step graph) -> quantize (optional Q/DQ passes) -> build (step graph -> engine)
 -> runtime (Generator).
+
+Each `trtspec` command is one function here, with the command's options as its parameters (same names, same
+defaults): export, export_head, quantize, check, build, generate, bench, serve, bench_serve, distill.
 """
 
 __version__ = "0.1.0"
 
+from .bench import bench, bench_serve
 from .builder import build
+from .builder.tensorrt_check import check_export as check
 from .engines import load_engine
 from .errors import (
     ArtifactError,
@@ -22,6 +27,8 @@ from .heads.export import export_head
 from .quantization import quantize
 from .runtime import Generator, GenerationResult, SamplingParams, Scheduler, VocabularyMismatchError
 from .runtime.drafters.self_draft import self_draft
+from .runtime.generate import generate
+from .server.launch import serve
 from .torch_backend import compile
 
 __all__ = [
@@ -37,12 +44,17 @@ __all__ = [
     "UnsupportedModelError",
     "VocabularyMismatchError",
     "__version__",
+    "bench",
+    "bench_serve",
     "build",
+    "check",
     "compile",
     "distill",
     "export",
     "export_head",
+    "generate",
     "load_engine",
     "quantize",
     "self_draft",
+    "serve",
 ]

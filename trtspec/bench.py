@@ -1,4 +1,5 @@
-"""`trtspec bench`: trtspec side by side with what users run instead, on the same prompts, in one run.
+"""`trtspec bench` (bench()): trtspec side by side with what users run instead, on the same prompts, in one run;
+and `trtspec bench-serve` (bench_serve()), a load test of any OpenAI-compatible server (server/loadgen.py).
 
 Configurations (each over every prompt, batch 1, ``max_new_tokens`` each, repeated):
   hf               HF generate() with the target (PyTorch eager)
@@ -21,6 +22,7 @@ and whether greedy outputs equal HF's and trtspec target-only's.
 from __future__ import annotations
 
 import json
+import logging
 import statistics
 import time
 from pathlib import Path
@@ -29,6 +31,59 @@ import numpy as np
 
 from .runtime import Generator
 from .runtime.verify import expected_speedup, expected_tokens_per_call
+
+log = logging.getLogger("trtspec.bench")
+
+
+def bench(target, draft, prompts, *, hf_target=None, hf_draft=None, num_prompts: int | None = None,
+          max_new_tokens: int = 128, repeats: int = 3, max_k: int = 8, temperatures=(0.0, 0.8), threads: int = 2,
+          hf: bool = True, self_draft: bool = True, tree_width: int = 3, eagle3=None, medusa=None,
+          output="benchmarks/results") -> dict:
+    """Measure ``target`` and ``draft`` (engine directories) against HF's generate, assisted generation and prompt
+    lookup (``hf``: their models default to the ones the engines were exported from) on the first ``num_prompts``
+    of the JSON file ``prompts``: fixed k = 1..max_k and load-aware k, the self-draft (``self_draft``), trees of
+    ``tree_width``, and an exported EAGLE-3 head or Medusa heads where given. Writes bench.json, bench.md and
+    bench.png into ``output``; returns the results. ``trtspec bench`` is this call."""
+    prompts = load_prompts(prompts)[:num_prompts]
+    results = run_bench(target, draft, hf_target or source_model_dir(target), hf_draft or source_model_dir(draft),
+                        prompts, max_new_tokens=max_new_tokens, ks=range(1, max_k + 1), repeats=repeats,
+                        temperatures=temperatures, threads=threads, include_hf=hf, self_draft=self_draft,
+                        tree_width=tree_width, eagle3=eagle3, medusa=medusa, log=log.info)
+    write_outputs(results, Path(output))
+    log.info("wrote %s/bench.json, bench.md, bench.png", output)
+    return results
+
+
+def bench_serve(url: str, *, model: str | None = None, prompts="models/heldout.json", max_tokens: int = 128,
+                temperature: float = 0.0, concurrency=(1, 2, 4, 8, 16), rates=(), requests: int = 32,
+                api_key: str | None = None, json_out=None) -> list[dict]:
+    """Load-test the OpenAI-compatible server at ``url`` (its base, .../v1) with streamed completions of the
+    ``prompts`` file: ``requests`` requests at each closed-loop client count of ``concurrency``, then at each
+    open-loop Poisson rate of ``rates`` (requests/s). ``model``: default the server's first. Returns one row per
+    load level (throughput, TTFT and inter-token latency percentiles, errors), also written to ``json_out``
+    where given. ``trtspec bench-serve`` is this call."""
+    import asyncio
+
+    import httpx
+
+    from .server.loadgen import run_load, summarize
+
+    texts = load_prompts(prompts)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    model = model or httpx.get(url.rstrip("/") + "/models", headers=headers, timeout=30).json()["data"][0]["id"]
+    results = []
+    for kind, value in [("concurrency", c) for c in concurrency] + [("rate", r) for r in rates]:
+        records, wall = asyncio.run(run_load(url, model, texts, max_tokens=max_tokens, num_requests=requests,
+                                             temperature=temperature, api_key=api_key, **{kind: value}))
+        row = {kind: value, **summarize(records, wall)}
+        results.append(row)
+        log.info(f"{kind} {value:>5}: {row['output_tok_s']:7.1f} tok/s, {row['requests_s']:.2f} req/s, TTFT p50 "
+                 f"{row['ttft_p50_ms'] or 0:.0f} ms p99 {row['ttft_p99_ms'] or 0:.0f} ms, ITL p50 "
+                 f"{row['itl_p50_ms'] or 0:.1f} ms p99 {row['itl_p99_ms'] or 0:.1f} ms, errors {row['errors']}")
+    if json_out:
+        Path(json_out).write_text(json.dumps({"url": url, "model": model, "max_tokens": max_tokens,
+                                              "levels": results}, indent=1))
+    return results
 
 
 def load_prompts(path) -> list[str]:

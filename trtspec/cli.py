@@ -1,13 +1,26 @@
-"""The `trtspec` command: export, quantize, check, build, generate, bench, serve, distill."""
+"""The `trtspec` command: export, quantize, check, build, generate, bench, serve, distill.
+
+Each command calls the function of its name in `trtspec` with its options, whose names are the function's
+parameters (tests/test_api.py); a command only parses its arguments and prints what the function returns.
+"""
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import logging
-import os
 import sys
-from pathlib import Path
+
+from .server.launch import API_KEY_ENV
+from .server.limits import MAX_BODY_BYTES, MAX_QUEUE
+from .server.run import HEADER_TIMEOUT
+
+
+def _call(function, args, **given):
+    """``function`` called with the parsed options of its parameters' names, and ``given``."""
+    names = [name for name in inspect.signature(function).parameters if name not in given]
+    return function(**{name: getattr(args, name) for name in names}, **given)
 
 
 def _positive_int(text: str) -> int:
@@ -22,7 +35,7 @@ def _add_export(sub):
     p.add_argument("model_dir", help="a Hugging Face model directory (config.json, weights, tokenizer), or a GGUF file "
                                      "(or a directory holding one): its tokenizer and chat template come from the file, "
                                      "and its Q4_0/Q4_1/Q4_K/Q8_0 blocks are kept for `build`")
-    p.add_argument("-o", "--output", required=True, help="artifact directory to write, e.g. export/NAME")
+    p.add_argument("-o", "--output", dest="out_dir", required=True, help="artifact directory to write, e.g. export/NAME")
     p.add_argument("--max-seq-len", type=_positive_int, default=512, help="KV cache capacity S_max (default 512)")
     p.add_argument("--max-batch", type=_positive_int, default=4, help="largest batch the engine serves (default 4)")
     p.add_argument("--dtype", choices=["float32", "float16"], default="float32")
@@ -39,12 +52,9 @@ def _add_export(sub):
                         "hidden_states indices")
 
     def run(args):
-        from .exporter import export
+        from . import export
 
-        out = export(args.model_dir, args.output, max_seq_len=args.max_seq_len, max_batch=args.max_batch, dtype=args.dtype,
-                     max_call_tokens=args.max_call_tokens, ring_cache=args.ring_cache, tree=args.tree,
-                     hidden_states=args.hidden_states)
-        print(out)
+        print(_call(export, args))
 
     p.set_defaults(run=run)
 
@@ -53,14 +63,16 @@ def _add_export_head(sub):
     p = sub.add_parser("export-head", help="EAGLE-3 head directory -> its step graph artifact, for a target")
     p.add_argument("head_dir", help="an EAGLE-3 head (trtspec distill --method eagle3, or the EAGLE authors' layout)")
     p.add_argument("--target", required=True, help="the target's export or engine, made with --hidden-states")
-    p.add_argument("-o", "--output", required=True, help="artifact directory to write")
+    p.add_argument("-o", "--output", dest="out_dir", required=True, help="artifact directory to write")
     p.add_argument("--target-model", help="the target's HF directory, for a head without its own embedding "
                                           "(default: the one the target was exported from)")
+    p.add_argument("--max-seq-len", type=_positive_int, help="the head's KV cache capacity (default: the target's)")
+    p.add_argument("--max-batch", type=_positive_int, help="largest batch the head serves (default: the target's)")
 
     def run(args):
-        from .heads.export import export_head
+        from . import export_head
 
-        print(export_head(args.head_dir, args.output, target=args.target, target_model=args.target_model))
+        print(_call(export_head, args))
 
     p.set_defaults(run=run)
 
@@ -70,7 +82,8 @@ def _add_quantize(sub):
 
     p = sub.add_parser("quantize", help="step graph artifact -> the same graph with INT8/FP8/INT4 Q/DQ (TensorRT's explicit form)")
     p.add_argument("export_dir", help="an unquantized export artifact, e.g. export/NAME")
-    p.add_argument("-o", "--output", required=True, help="artifact directory to write, e.g. export/NAME-int4-awq")
+    p.add_argument("-o", "--output", dest="out_dir", required=True,
+                   help="artifact directory to write, e.g. export/NAME-int4-awq")
     p.add_argument("--mode", required=True, choices=list(MODES),
                    help="int8-wo: INT8 weights per channel; int8-sq: W8A8 with SmoothQuant; fp8: FP8 E4M3 weights and "
                         "activations; int4-rtn / int4-awq / int4-gptq: INT4 weights blocked along K, round-to-nearest "
@@ -83,15 +96,13 @@ def _add_quantize(sub):
     p.add_argument("--quantize-lm-head", action="store_true",
                    help="quantize the lm_head too; tied to the embedding (int4 modes), one INT4 copy serves both "
                         "(default: keep it in high precision)")
-    p.add_argument("--no-act-order", dest="act_order", action="store_false",
+    p.add_argument("--no-act-order", dest="act_order", action="store_false", default=None,
                    help="int4-gptq: quantize input channels in order instead of by decreasing activation energy")
 
     def run(args):
-        from .quantization import quantize
+        from . import quantize
 
-        print(quantize(args.export_dir, args.output, mode=args.mode, block_size=args.block_size,
-                       calib_file=args.calib_file, calib_samples=args.calib_samples,
-                       quantize_lm_head=args.quantize_lm_head, **({} if args.act_order else {"act_order": False})))
+        print(_call(quantize, args))
 
     p.set_defaults(run=run)
 
@@ -108,9 +119,10 @@ def _add_check(sub):
     p.add_argument("export_dir")
 
     def run(args):
-        from .builder.tensorrt_check import check_export, format_report
+        from . import check
+        from .builder.tensorrt_check import format_report
 
-        problems = check_export(args.export_dir)
+        problems = _call(check, args)
         print(format_report(args.export_dir, problems))
         return 1 if problems else 0
 
@@ -120,10 +132,10 @@ def _add_check(sub):
 def _add_build(sub):
     p = sub.add_parser("build", help="step graph artifact -> engine artifact for a backend")
     p.add_argument("export_dir")
-    p.add_argument("-o", "--output", required=True, help="engine directory to write, e.g. engines/NAME")
+    p.add_argument("-o", "--output", dest="out_dir", required=True, help="engine directory to write, e.g. engines/NAME")
     p.add_argument("--backend", choices=["onnxruntime", "tensorrt"], default="onnxruntime")
     ort_group = p.add_argument_group("onnxruntime only")
-    ort_group.add_argument("--no-qdq-fusion", action="store_true",
+    ort_group.add_argument("--no-qdq-fusion", dest="fuse_qdq", action="store_false", default=None,
                            help="run a quantized graph's Q/DQ nodes as written instead of onnxruntime's quantized kernels")
     ort_group.add_argument("--weights", choices=["gguf", "float"],
                            help="an export of a GGUF file: gguf (default) runs the file's own 4/8-bit blocks (Q4_0, "
@@ -136,39 +148,27 @@ def _add_build(sub):
                                 "reproduces the engine's own greedy output exactly; 1.16x faster decode and 1.5x "
                                 "faster speculation on SmolLM2 here, further from the float weights' predictions "
                                 "(benchmarks/bench_gguf_quality.py)")
-    ort_group.add_argument("--no-fusion", action="store_true",
+    ort_group.add_argument("--no-fusion", dest="fusion", action="store_false", default=None,
                            help="build the plain step graph, without the lowering to onnxruntime's fused kernels "
                            "(RMSNorm, RoPE, packed projections, attention over the live cache length)")
     trt = p.add_argument_group("tensorrt only")
     trt.add_argument("--max-prefill", type=_positive_int, help="most tokens per row in one prefill call (default: the KV cache capacity)")
     trt.add_argument("--verify-tokens", type=_int_list,
                      help="tokens per verify call, k+1 for k drafted tokens, comma-separated (default 2,3,...,9)")
-    trt.add_argument("--workspace", type=_positive_int, metavar="MIB", help="TensorRT workspace limit in MiB (default: TensorRT's)")
+    trt.add_argument("--max-batch", type=_positive_int, help="most rows a call (default: the export's --max-batch)")
+    trt.add_argument("--workspace", dest="workspace_mib", type=_positive_int, metavar="MIB",
+                     help="TensorRT workspace limit in MiB (default: TensorRT's)")
     trt.add_argument("--timing-cache", metavar="PATH", help="TensorRT timing cache file: read if present, written after the build")
 
     def run(args):
-        from .builder import build
+        from . import build
 
-        given = {"max_prefill": args.max_prefill, "verify_tokens": args.verify_tokens,
-                 "workspace_mib": args.workspace, "timing_cache": args.timing_cache}
-        options = {key: value for key, value in given.items() if value is not None}
-        if args.no_qdq_fusion:
-            options["fuse_qdq"] = False
-        if args.no_fusion:
-            options["fusion"] = False
-        if args.weights:
-            options["weights"] = args.weights
-        if args.int8_activations:
-            options["int8_activations"] = True
-        print(build(args.export_dir, args.output, backend=args.backend, **options))
+        print(_call(build, args))
 
     p.set_defaults(run=run)
 
 
 K_POLICIES = ("load-aware", "fixed")  # the scheduler's (runtime/scheduler.py), without importing it here
-# the server's defaults (server/app.py, server/run.py), without importing FastAPI here
-MAX_QUEUE, MAX_BODY_BYTES, HEADER_TIMEOUT = 256, 4 << 20, 10.0
-API_KEY_ENV = "TRTSPEC_API_KEY"  # as vLLM's VLLM_API_KEY and llama-server's LLAMA_API_KEY
 
 
 def _add_engine_arguments(p) -> None:
@@ -195,25 +195,6 @@ def _add_engine_arguments(p) -> None:
     p.add_argument("--threads", type=_positive_int, help="onnxruntime intra-op threads (default: all cores)")
 
 
-def _torch_engines(args):
-    """--backend torch: the target (and a draft model) compiled with torch.compile. A draft head stays the engine it
-    was exported as; the target then gets the features it reads, and a tree input where trees are asked for (an
-    export directory keeps its own otherwise)."""
-    from .manifest import read_manifest
-    from .torch_backend import compile
-
-    features = None  # the layers a head reads
-    if args.draft and args.drafter == "eagle3":
-        features = read_manifest(args.draft)["model"]["target_layers"]
-    elif args.draft and args.drafter == "medusa":
-        features = "last"
-    tree = True if args.tree_width > 1 or args.tree_nodes or args.drafter == "medusa" else None
-    target = compile(args.target, tree=tree, hidden_states=features)
-    if features is not None or not args.draft:
-        return target, args.draft
-    return target, compile(args.draft)
-
-
 def _add_generate(sub):
     p = sub.add_parser("generate", help="generate text, optionally with speculative decoding")
     _add_engine_arguments(p)
@@ -228,44 +209,21 @@ def _add_generate(sub):
     p.add_argument("--top-p", type=float)
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", help="stop string; repeatable")
-    p.add_argument("--json", action="store_true", help="print results and statistics as JSON")
     p.add_argument("--backend", choices=["auto", "torch"], default="auto",
                    help="auto (default): run the engines the directories hold; torch: compile the HF model or export "
                         "directories with torch.compile (inductor, CPU)")
+    printing = p.add_argument_group("printing")  # how the command shows the result; trtspec.generate returns it
+    printing.add_argument("--json", action="store_true", help="print results and statistics as JSON")
+    printing.add_argument("--no-stream", dest="stream", action="store_false",
+                          help="print one prompt's text once it is complete (default: as it is generated)")
 
     def run(args):
-        from .runtime import Generator
+        from . import generate
 
-        target, draft = args.target, args.draft
-        if args.backend == "torch":
-            target, draft = _torch_engines(args)
-        gen = Generator(
-            target,
-            draft,
-            num_draft_tokens=args.num_draft_tokens,
-            drafter=args.drafter,
-            k_policy=args.k_policy,
-            num_threads=args.threads,
-            tree_width=args.tree_width,
-            tree_nodes=args.tree_nodes,
-            max_batch=1 if len(args.prompt) == 1 else None,  # (one prompt: a session of one row)
-        )
-        options = dict(
-            max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            seed=args.seed,
-            stop=args.stop,
-        )
-        prompts = args.prompt
-        if args.chat:
-            system = [{"role": "system", "content": args.system}] if args.system else []
-            prompts = [gen.chat_ids([*system, {"role": "user", "content": p}]) for p in args.prompt]
-        elif args.system:
+        if args.system and not args.chat:
             raise SystemExit("trtspec generate: --system goes with --chat")
-        if len(args.prompt) == 1 and not args.json:
-            stream = gen.stream(prompts[0], **options)
+        if args.stream and len(args.prompt) == 1 and not args.json:
+            stream = _call(generate, args, stream=True)
             sys.stdout.write("" if args.chat else args.prompt[0])
             for delta in stream:
                 sys.stdout.write(delta)
@@ -273,7 +231,7 @@ def _add_generate(sub):
             sys.stdout.write("\n")
             _print_stats(stream.result.stats, stream.result.finish_reason)
             return
-        out = gen.generate(prompts, **options)
+        out = _call(generate, args, stream=False)
         if args.json:
             print(json.dumps({
                 "results": [
@@ -304,10 +262,10 @@ def _add_bench(sub):
     p.add_argument("--max-new-tokens", type=_positive_int, default=128)
     p.add_argument("--repeats", type=_positive_int, default=3, help="runs per configuration; the median is reported")
     p.add_argument("--max-k", type=_positive_int, default=8, help="measure fixed k = 1..max-k and load-aware k up to max-k (default 8)")
-    p.add_argument("--temperatures", type=lambda t: [float(v) for v in t.split(",")], default=[0.0, 0.8])
+    p.add_argument("--temperatures", type=lambda t: [float(v) for v in t.split(",")], default=(0.0, 0.8))
     p.add_argument("--threads", type=_positive_int, default=2)
-    p.add_argument("--no-hf", action="store_true", help="skip the HF baselines (they are the slow part)")
-    p.add_argument("--no-self-draft", action="store_true",
+    p.add_argument("--no-hf", dest="hf", action="store_false", help="skip the HF baselines (they are the slow part)")
+    p.add_argument("--no-self-draft", dest="self_draft", action="store_false",
                    help="skip the row drafting with the target's own INT4 build (built once beside the target)")
     p.add_argument("--tree-width", type=_positive_int, default=3,
                    help="rows drafting trees this wide (when the target was exported with --tree; default 3)")
@@ -316,21 +274,10 @@ def _add_bench(sub):
     p.add_argument("-o", "--output", default="benchmarks/results", help="where bench.json, bench.md, bench.png go")
 
     def run(args):
-        from .bench import load_prompts, run_bench, source_model_dir, write_outputs
-
-        prompts = load_prompts(args.prompts)[: args.num_prompts]
-        hf_target = args.hf_target or source_model_dir(args.target)
-        hf_draft = args.hf_draft or source_model_dir(args.draft)
-        results = run_bench(args.target, args.draft, hf_target, hf_draft, prompts,
-                            max_new_tokens=args.max_new_tokens, ks=range(1, args.max_k + 1), repeats=args.repeats,
-                            temperatures=args.temperatures, threads=args.threads, include_hf=not args.no_hf,
-                            self_draft=not args.no_self_draft, tree_width=args.tree_width, eagle3=args.eagle3,
-                            medusa=args.medusa, log=lambda m: print(m, file=sys.stderr, flush=True))
-        write_outputs(results, Path(args.output))
+        from . import bench
         from .bench import markdown_table
 
-        print(markdown_table(results))
-        print(f"wrote {args.output}/bench.json, bench.md, bench.png", file=sys.stderr)
+        print(markdown_table(_call(bench, args)))
 
     p.set_defaults(run=run)
 
@@ -347,7 +294,7 @@ def _add_serve(sub):
     p.add_argument("--prefill-chunk", type=_positive_int, default=128,
                    help="prompt tokens read per round (the first waiting prompt's part, then whole prompts that fit)")
     p.add_argument("--prefix-cache-mb", type=float, default=256.0, help="KV kept for prefix reuse (0: off)")
-    p.add_argument("--system-prompt", action="append", default=[],
+    p.add_argument("--system-prompt", action="append",
                    help="text whose KV is computed at start and pinned for reuse (e.g. a shared system prompt)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
@@ -387,76 +334,14 @@ def _add_serve(sub):
     ray.add_argument("--gpus-per-replica", type=float, default=0.0, help="GPUs each replica reserves (default 0)")
 
     def run(args):
-        if args.ray:
-            return _serve_ray(args)
-        from .runtime import Scheduler
-        from .server import create_app
-        from .server.run import serve
+        from . import serve
 
-        scheduler = Scheduler(
-            args.target, args.draft, drafter=args.drafter, num_draft_tokens=args.num_draft_tokens,
-            k_policy=args.k_policy, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk,
-            prefix_cache_mb=args.prefix_cache_mb, num_threads=args.threads, tree_width=args.tree_width,
-            tree_nodes=args.tree_nodes,
-        )
-        for text in args.system_prompt:
-            print(f"trtspec serve: cached a prefix of {scheduler.register_prefix(text)} tokens", file=sys.stderr)
-        name = args.served_model_name or Path(args.target).resolve().name
-        app = create_app(scheduler, model_name=name, api_key=api_keys_of(args), max_queue=args.max_queue,
-                         max_body_bytes=args.max_body_bytes, metrics_public=args.metrics_public,
-                         parse_special_tokens=args.parse_special_tokens, log_prompts=args.log_prompts)
-        print(f"trtspec serve: {name} on http://{args.host}:{args.port}/v1 (max batch {scheduler.max_batch}, "
-              f"capacity {scheduler.capacity} tokens)", file=sys.stderr, flush=True)
-        serve(app, host=args.host, port=args.port, drain_timeout=args.drain_timeout,
-              header_timeout=args.header_timeout)
+        try:
+            _call(serve, args)
+        except ImportError as exc:  # --ray without Ray Serve, an optional extra: the message says how to install it
+            raise SystemExit(f"trtspec serve: {exc}") from None
 
     p.set_defaults(run=run)
-
-
-def api_keys_of(args) -> list[str] | None:
-    """The API keys `serve` requires: --api-key, the keys of --api-key-file, else $TRTSPEC_API_KEY; None: no key."""
-    if args.api_key is not None:
-        return [args.api_key]
-    if args.api_key_file is not None:
-        try:
-            lines = Path(args.api_key_file).read_text().splitlines()
-        except OSError as exc:
-            raise SystemExit(f"trtspec serve: cannot read --api-key-file: {exc}") from None
-        keys = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
-        if not keys:
-            raise SystemExit(f"trtspec serve: no API key in {args.api_key_file} (one key a line; # starts a comment)")
-        return keys
-    key = os.environ.get(API_KEY_ENV, "").strip()
-    return [key] if key else None
-
-
-def _serve_ray(args):
-    try:
-        from .server.ray_app import build_app
-        from .server.run import serve_ray
-    except ImportError as exc:
-        raise SystemExit(f"trtspec serve --ray: {exc}") from None
-    config = dict(target=args.target, draft=args.draft, drafter=args.drafter, num_draft_tokens=args.num_draft_tokens,
-                  k_policy=args.k_policy, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk,
-                  prefix_cache_mb=args.prefix_cache_mb, num_threads=args.threads or 1, router=args.router,
-                  tree_width=args.tree_width, tree_nodes=args.tree_nodes,
-                  max_queue=args.max_queue, gpus_per_replica=args.gpus_per_replica,
-                  system_prompts=args.system_prompt, model_name=args.served_model_name, api_key=api_keys_of(args),
-                  log_prompts=args.log_prompts, replicas=args.replicas, max_body_bytes=args.max_body_bytes,
-                  metrics_public=args.metrics_public, parse_special_tokens=args.parse_special_tokens)
-    if args.autoscale:
-        try:
-            low, high = (int(x) for x in args.autoscale.split(":"))
-            assert 0 <= low <= high and high >= 1
-        except (ValueError, AssertionError):
-            raise SystemExit(f"--autoscale wants MIN:MAX with 0 <= MIN <= MAX, MAX >= 1; got {args.autoscale!r}") from None
-        config["autoscale"] = {"min_replicas": low, "max_replicas": high, "initial_replicas": max(low, 1)}
-    try:
-        app = build_app(config)
-    except ValueError as exc:
-        raise SystemExit(f"trtspec serve --ray: {exc}") from None
-    serve_ray(app, host=args.host, port=args.port, address=args.ray_address, metrics_port=args.ray_metrics_port,
-              direct_ingress=args.direct_ingress)
 
 
 def _add_bench_serve(sub):
@@ -466,42 +351,17 @@ def _add_bench_serve(sub):
     p.add_argument("--prompts", default="models/heldout.json", help="JSON prompts file (as for `trtspec bench`)")
     p.add_argument("--max-tokens", type=_positive_int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--concurrency", type=_positive_int, nargs="*", default=[1, 2, 4, 8, 16],
+    p.add_argument("--concurrency", type=_positive_int, nargs="*", default=(1, 2, 4, 8, 16),
                    help="closed-loop client counts (default 1 2 4 8 16)")
-    p.add_argument("--rates", type=float, nargs="*", default=[], help="open-loop Poisson arrival rates, requests/s")
+    p.add_argument("--rates", type=float, nargs="*", default=(), help="open-loop Poisson arrival rates, requests/s")
     p.add_argument("--requests", type=_positive_int, default=32, help="requests per load level (default 32)")
     p.add_argument("--api-key")
     p.add_argument("--json", dest="json_out", help="write the results to this JSON file")
 
     def run(args):
-        import asyncio
-        import json
+        from . import bench_serve
 
-        import httpx
-
-        from .bench import load_prompts
-        from .server.loadgen import run_load, summarize
-
-        prompts = load_prompts(args.prompts)
-        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-        model = args.model or httpx.get(args.url.rstrip("/") + "/models", headers=headers, timeout=30).json()["data"][0]["id"]
-        levels = [("concurrency", c) for c in args.concurrency] + [("rate", r) for r in args.rates]
-        results = []
-        for kind, value in levels:
-            records, wall = asyncio.run(run_load(
-                args.url, model, prompts, max_tokens=args.max_tokens, num_requests=args.requests,
-                temperature=args.temperature, api_key=args.api_key,
-                **({"concurrency": value} if kind == "concurrency" else {"rate": value})))
-            row = {kind: value, **summarize(records, wall)}
-            results.append(row)
-            print(f"{kind} {value:>5}: {row['output_tok_s']:7.1f} tok/s, {row['requests_s']:.2f} req/s, TTFT p50 "
-                  f"{row['ttft_p50_ms'] or 0:.0f} ms p99 {row['ttft_p99_ms'] or 0:.0f} ms, ITL p50 "
-                  f"{row['itl_p50_ms'] or 0:.1f} ms p99 {row['itl_p99_ms'] or 0:.1f} ms, errors {row['errors']}",
-                  flush=True)
-        if args.json_out:
-            with open(args.json_out, "w") as f:
-                json.dump({"url": args.url, "model": model, "max_tokens": args.max_tokens, "levels": results}, f,
-                          indent=1)
+        _call(bench_serve, args)
 
     p.set_defaults(run=run)
 
@@ -545,20 +405,20 @@ def _add_distill(sub):
                    help="fraction of each batch made of the target's own sampled continuations")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="stored dtype (default: the target's)")
-    p.add_argument("--no-bf16", action="store_true", help="train in float32 even where the CPU has AVX512-BF16")
+    p.add_argument("--no-bf16", dest="bf16", action="store_false",
+                   help="train in float32 even where the CPU has AVX512-BF16")
     p.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts for the acceptance check (0: skip)")
+    p.add_argument("--eval-k", type=_positive_int, default=4, help="draft tokens a round in that check (default 4)")
+    p.add_argument("--eval-tokens", type=_positive_int, default=64,
+                   help="new tokens a prompt in that check (default 64)")
+    p.add_argument("--checkpoint-every", type=_positive_int, default=50,
+                   help="optimiser steps between checkpoints, from which a rerun resumes (default 50)")
     p.add_argument("--threads", type=_positive_int)
 
     def run(args):
-        from .distill import distill
+        from . import distill
 
-        distill(args.target, args.out, args.data, method=args.method, heldout=args.heldout, pattern=args.pattern,
-                layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
-                intermediate=args.intermediate, steps=args.steps, minutes=args.minutes, batch=args.batch,
-                seq=args.seq, lr=args.lr, temperature=args.temperature, kd_weight=args.kd_weight,
-                sampled_fraction=args.sampled_fraction, seed=args.seed, dtype=args.dtype, bf16=not args.no_bf16,
-                eval_prompts=args.eval_prompts, threads=args.threads, draft_vocab=args.draft_vocab,
-                ttt_steps=args.ttt_steps, medusa_heads=args.medusa_heads)
+        _call(distill, args)
 
     p.set_defaults(run=run)
 

@@ -11,39 +11,48 @@ from ..manifest import EXPORT_FORMAT, read_manifest
 BACKENDS = ("onnxruntime", "tensorrt")
 
 
-def build(export_dir: str | os.PathLike, out_dir: str | os.PathLike, *, backend: str = "onnxruntime", **options) -> Path:
-    """Build an engine artifact for ``backend`` from an export artifact; returns out_dir.
+def build(export_dir: str | os.PathLike, out_dir: str | os.PathLike, *, backend: str = "onnxruntime",
+          fuse_qdq: bool | None = None, weights: str | None = None, int8_activations: bool = False,
+          fusion: bool | None = None, max_prefill: int | None = None, verify_tokens: list[int] | None = None,
+          max_batch: int | None = None, workspace_mib: int | None = None,
+          timing_cache: str | os.PathLike | None = None) -> Path:
+    """Build an engine artifact for ``backend`` from an export artifact; returns out_dir. ``trtspec build`` is this
+    call. None: the backend's default; an option of the other backend is refused.
 
-    ``options``: for onnxruntime, ``fuse_qdq`` (default True: quantized weights run in onnxruntime's quantized
-    kernels), ``weights`` (an export of a GGUF file: "gguf", the default, runs the file's own quantized blocks;
-    "float" its dequantized float graph), ``int8_activations`` (those blocks' MatMulNBits with int8 activations:
-    faster, but no longer token for token under speculation) and ``fusion`` (default True: the graph lowered to
-    onnxruntime's fused CPU kernels, see builder/ort_lowering.py; False keeps the plain graph); for TensorRT,
-    max_prefill, verify_tokens,
-    max_batch, workspace_mib, timing_cache (see builder.tensorrt.build_tensorrt).
+    For onnxruntime: ``fuse_qdq`` (default True: quantized weights run in onnxruntime's quantized kernels),
+    ``weights`` (an export of a GGUF file: "gguf", the default, runs the file's own quantized blocks; "float" its
+    dequantized float graph), ``int8_activations`` (those blocks' MatMulNBits with int8 activations: faster, but
+    no longer token for token under speculation) and ``fusion`` (default True: the graph lowered to onnxruntime's
+    fused CPU kernels, see builder/ort_lowering.py; False keeps the plain graph). For TensorRT: ``max_prefill``,
+    ``verify_tokens``, ``max_batch`` (default: the export's), ``workspace_mib``, ``timing_cache`` (see
+    builder.tensorrt.build_tensorrt).
     """
     export_dir = Path(export_dir)
     manifest = read_manifest(export_dir)
     if manifest["format"] != EXPORT_FORMAT:
         raise ArtifactError(f"{export_dir} is a built engine, not an export; pass the export/ directory it came from")
+    tensorrt_only = {"max_prefill": max_prefill, "verify_tokens": verify_tokens, "max_batch": max_batch,
+                     "workspace_mib": workspace_mib, "timing_cache": timing_cache}
+    tensorrt_options = {name: value for name, value in tensorrt_only.items() if value is not None}
     if backend == "onnxruntime":
-        foreign = sorted(set(options) - {"fuse_qdq", "fusion", "weights", "int8_activations"})
-        if foreign:
-            raise ValueError(f"build options {', '.join(foreign)} apply only to --backend tensorrt; drop them or pass --backend tensorrt")
+        if tensorrt_options:
+            raise ValueError(f"build options {', '.join(sorted(tensorrt_options))} apply only to --backend tensorrt; "
+                             "drop them or pass --backend tensorrt")
         from .onnxruntime import build_onnxruntime
 
-        return build_onnxruntime(export_dir, manifest, Path(out_dir), **options)
+        return build_onnxruntime(export_dir, manifest, Path(out_dir), fuse_qdq=fuse_qdq is not False,
+                                 fusion=fusion is not False, weights=weights, int8_activations=int8_activations)
     if backend == "tensorrt":
-        if "fuse_qdq" in options:
+        if fuse_qdq is not None:
             raise ValueError("--no-qdq-fusion applies only to --backend onnxruntime; TensorRT places Q/DQ itself")
-        if "fusion" in options:
+        if fusion is not None:
             raise ValueError("--no-fusion applies only to --backend onnxruntime; TensorRT fuses the graph itself")
-        if options.pop("int8_activations", False):
+        if int8_activations:
             raise ValueError("--int8-activations applies only to --backend onnxruntime (its MatMulNBits kernel)")
-        if options.pop("weights", "float") != "float":
+        if weights not in (None, "float"):
             raise ValueError("--weights gguf (the GGUF's own blocks, as onnxruntime's MatMulNBits) applies only to "
                              "--backend onnxruntime; TensorRT builds the export's float graph: pass --weights float")
         from .tensorrt import build_tensorrt
 
-        return build_tensorrt(export_dir, manifest, Path(out_dir), **options)
+        return build_tensorrt(export_dir, manifest, Path(out_dir), **tensorrt_options)
     raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")

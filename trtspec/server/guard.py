@@ -10,14 +10,13 @@ from contextlib import contextmanager
 
 from fastapi.responses import JSONResponse
 
-from ..runtime.request import RequestFailedError
 from ..runtime.prompts import PromptEncoder
+from ..runtime.request import RequestFailedError
+from .limits import MAX_BODY_BYTES, MAX_QUEUE
 from .protocol import APIError, queue_full, too_large, unauthorized, unavailable
 
 log = logging.getLogger("trtspec.server")
 
-MAX_QUEUE = 256  # requests waiting beyond the free rows before new ones get 429 (trtspec serve --max-queue)
-MAX_BODY_BYTES = 4 << 20  # the largest request body read (trtspec serve --max-body-bytes): 413 beyond
 # an oversized body is read this far more, and dropped, before the 413 goes out: an HTTP client reads the answer
 # only once it has sent its body, and would see a reset connection instead
 _DISCARD_BYTES = 64 << 20
