@@ -1,8 +1,12 @@
-"""The torch engine on our GGUF kernels (trtspec.compile(weights="gguf")) beside onnxruntime builds of the same file:
-call times at T = 1, 2, 5, 9 and 17 tokens against each engine's own decode call, and where a torch call's time goes.
+"""The torch engines on our GGUF kernels beside onnxruntime builds of the same file: call times at T = 1, 2, 5, 9 and
+17 tokens against each engine's own decode call, and where a torch call's time goes.
 
-    python benchmarks/bench_torch_gguf.py [--export export/smollm2] [--ort engines/smollm2-int8x ...]
-                                          [--backends eager inductor] [--position 100]
+    python benchmarks/bench_torch_gguf.py [--export export/smollm2]
+        [--engines engines/smollm2-int8x engines/smollm2-torch-int8x ...]   (built engines: onnxruntime, torch)
+        [--backends eager inductor] [--activations int8 float] [--position 100]
+
+--engines are built engines of any backend (`trtspec build --backend torch` is the AOTInductor package);
+--backends are torch.compile backends of trtspec.compile(export, weights="gguf"), compiled in this process.
 
 2 threads, one row, medians of --reps rounds that alternate the engines. Writes benchmarks/results/torch-gguf.{json,md}
 with the CPU model and ISA, and the torch profiler's top operators of an eager decode call.
@@ -20,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_gguf_kernels import _cpu  # noqa: E402
+from bench_gguf_kernels import _cpu, _read_bandwidth  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 TOKENS = (1, 2, 5, 9, 17)
@@ -46,19 +50,24 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--export", type=Path, default=Path("export/smollm2"))
-    ap.add_argument("--ort", type=Path, nargs="*", default=[Path("engines/smollm2-int8x")])
+    ap.add_argument("--engines", type=Path, nargs="*",
+                    default=[Path("engines/smollm2-int8x"), Path("engines/smollm2-torch-int8x")])
     ap.add_argument("--backends", nargs="*", default=["eager", "inductor"])
+    ap.add_argument("--activations", nargs="*", default=["int8", "float"], choices=["int8", "float"])
     ap.add_argument("--position", type=int, default=100)
     ap.add_argument("--reps", type=int, default=15)
     args = ap.parse_args()
     torch.set_num_threads(2)
     engines, load_s = {}, {}
-    for path in args.ort:
-        engines[f"onnxruntime {path.name}"] = load_engine(path, num_threads=2)
+    for path in args.engines:
+        t = time.perf_counter()
+        e = load_engine(path, num_threads=2)
+        label = f"{e.manifest['backend']} {path.name}" + (" (AOTInductor)" if e.manifest["backend"] == "torch" else "")
+        engines[label], load_s[label] = e, time.perf_counter() - t
     for backend in args.backends:
-        for int8 in (True, False):
+        for int8 in [a == "int8" for a in args.activations]:
             t = time.perf_counter()
-            engines[f"torch {backend}, GGUF kernels, {'int8' if int8 else 'float'} activations"] = trtspec.compile(
+            engines[f"torch.compile {backend}, GGUF kernels, {'int8' if int8 else 'float'} activations"] = trtspec.compile(
                 args.export, backend=backend, weights="gguf", int8_activations=int8, max_batch=1)
             load_s[list(engines)[-1]] = time.perf_counter() - t
     first_call_s = {}
@@ -78,8 +87,13 @@ def main() -> None:
                 e.forward(np.full((1, n), 300), np.arange(p, p + n)[None])
                 times[label][n].append(time.perf_counter() - t)
     med = {label: {n: statistics.median(v) * 1e3 for n, v in per.items()} for label, per in times.items()}
-    eager = next((e for label, e in engines.items() if label.startswith("torch eager") and "int8" in label), None)
+    # the decode bound: every byte of the file's tensors read once a call, at the 2-thread read bandwidth of this run
+    gguf = Path(json.loads((args.export / "manifest.json").read_text())["source"]["model_dir"])
+    bandwidth = _read_bandwidth(1 << 30) * 1e9  # (bytes/s; 1 GiB: past any L3 of these machines)
+    bound_ms = gguf.stat().st_size / bandwidth * 1e3
+    eager = next((e for label, e in engines.items() if label.startswith("torch.compile eager") and "int8" in label), None)
     result = {"cpu": _cpu(), "export": str(args.export), "position": p, "ms": med, "load_s": load_s,
+              "read_bandwidth_gbs": bandwidth / 1e9, "gguf_bytes": gguf.stat().st_size, "decode_bound_ms": bound_ms,
               "first_calls_s": first_call_s, "max_seq_len": json.loads((args.export / "manifest.json").read_text())[
                   "model"]["max_seq_len"], "profile_eager_int8_decode": _profile(eager, p) if eager else None}
     RESULTS.mkdir(exist_ok=True)
@@ -90,7 +104,11 @@ def main() -> None:
              "|---|" + "---|" * len(TOKENS)]
     for label, per in med.items():
         lines.append(f"| {label} | " + " | ".join(f"{per[n]:.2f} ({per[n] / per[1]:.2f}x)" for n in TOKENS) + " |")
-    lines += ["", "Load (transformers reads the GGUF, the kernels' layers are checked and packed) and first calls (s): "
+    lines += ["", f"Decode bound: the GGUF's {gguf.stat().st_size / 1e6:.0f} MB at {bandwidth / 1e9:.1f} GB/s (2-thread "
+              f"read, this run) = {bound_ms:.2f} ms; each engine's decode call at that bound: "
+              + "; ".join(f"{label} {bound_ms / per[1]:.2f}" for label, per in med.items())]
+    lines += ["", "Load (built engines: the package or graph; torch.compile: transformers reads the GGUF, the kernels' "
+              "layers are checked and packed) and first calls (s): "
               + "; ".join(f"{k}: {load_s.get(k, 0):.0f} + {first_call_s[k]:.1f}" for k in engines)]
     if result["profile_eager_int8_decode"]:
         lines += ["", "Where an eager decode call goes (torch profiler, self time per call):", "",

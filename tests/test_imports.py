@@ -208,8 +208,8 @@ LAYERS = (
     ("exporter",),  # HF model / GGUF file -> step graph
     ("quantization",),  # step graph -> step graph with Q/DQ
     ("engines",),  # the engine protocol and its backends: run an artifact
-    ("builder",),  # step graph -> engine artifact
     ("torch_backend",),  # trtspec.compile: the step contract as a compiled torch module
+    ("builder",),  # step graph -> engine artifact (the torch backend's: an AOTInductor package of that module)
     ("runtime",),  # engines -> speculative decoding
     ("heads",),  # draft heads: their layouts and export
     ("training",),

@@ -133,24 +133,31 @@ def _add_build(sub):
     p = sub.add_parser("build", help="step graph artifact -> engine artifact for a backend")
     p.add_argument("export_dir")
     p.add_argument("-o", "--output", dest="out_dir", required=True, help="engine directory to write, e.g. engines/NAME")
-    p.add_argument("--backend", choices=["onnxruntime", "tensorrt"], default="onnxruntime")
+    p.add_argument("--backend", choices=["onnxruntime", "tensorrt", "torch"], default="onnxruntime",
+                   help="torch: the step module compiled ahead of time by AOTInductor into one package (for an export "
+                        "of a GGUF file, its linear layers on trtspec's own GGUF kernels)")
     ort_group = p.add_argument_group("onnxruntime only")
+    gguf_group = p.add_argument_group("an export of a GGUF file (onnxruntime and torch)")
     ort_group.add_argument("--no-qdq-fusion", dest="fuse_qdq", action="store_false", default=None,
                            help="run a quantized graph's Q/DQ nodes as written instead of onnxruntime's quantized kernels")
-    ort_group.add_argument("--weights", choices=["gguf", "float"],
+    gguf_group.add_argument("--weights", choices=["gguf", "float"],
                            help="an export of a GGUF file: gguf (default) runs the file's own 4/8-bit blocks (Q4_0, "
-                                "Q4_1, Q4_K, Q8_0; other types are quantized to 4 bits here), float the dequantized "
+                                "Q4_1, Q4_K, Q8_0; other types are quantized to 4 bits here; --backend torch: every "
+                                "type trtspec's kernels take, Q4_0 to Q8_0 and Q4_K to Q6_K), float the dequantized "
                                 "float32 graph")
-    ort_group.add_argument("--int8-activations", action="store_true",
+    gguf_group.add_argument("--int8-activations", action="store_true",
                            help="with --weights gguf: the 4-bit layers compute with int8-rounded activations (as "
                                 "llama.cpp does), every call with 2 tokens a row or more on one graph (a one-token "
                                 "call carries a pad), so each row's logits are the same in every call and speculation "
                                 "reproduces the engine's own greedy output exactly; 1.16x faster decode and 1.5x "
                                 "faster speculation on SmolLM2 here, further from the float weights' predictions "
-                                "(benchmarks/bench_gguf_quality.py)")
+                                "(benchmarks/bench_gguf_quality.py); --backend torch: the kernels' int8 variant, and "
+                                "attention computed alike for every call size")
     ort_group.add_argument("--no-fusion", dest="fusion", action="store_false", default=None,
                            help="build the plain step graph, without the lowering to onnxruntime's fused kernels "
                            "(RMSNorm, RoPE, packed projections, attention over the live cache length)")
+    p.add_argument_group("torch only").add_argument(
+        "--device", choices=["cpu", "cuda"], help="where the torch engine runs (default cpu; cuda: float weights)")
     trt = p.add_argument_group("tensorrt only")
     trt.add_argument("--max-prefill", type=_positive_int, help="most tokens per row in one prefill call (default: the KV cache capacity)")
     trt.add_argument("--verify-tokens", type=_int_list,

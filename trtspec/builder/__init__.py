@@ -8,14 +8,14 @@ from pathlib import Path
 from ..errors import ArtifactError
 from ..manifest import EXPORT_FORMAT, read_manifest
 
-BACKENDS = ("onnxruntime", "tensorrt")
+BACKENDS = ("onnxruntime", "tensorrt", "torch")
 
 
 def build(export_dir: str | os.PathLike, out_dir: str | os.PathLike, *, backend: str = "onnxruntime",
           fuse_qdq: bool | None = None, weights: str | None = None, int8_activations: bool = False,
           fusion: bool | None = None, max_prefill: int | None = None, verify_tokens: list[int] | None = None,
           max_batch: int | None = None, workspace_mib: int | None = None,
-          timing_cache: str | os.PathLike | None = None) -> Path:
+          timing_cache: str | os.PathLike | None = None, device: str | None = None) -> Path:
     """Build an engine artifact for ``backend`` from an export artifact; returns out_dir. ``trtspec build`` is this
     call. None: the backend's default; an option of the other backend is refused.
 
@@ -25,7 +25,10 @@ def build(export_dir: str | os.PathLike, out_dir: str | os.PathLike, *, backend:
     no longer token for token under speculation) and ``fusion`` (default True: the graph lowered to onnxruntime's
     fused CPU kernels, see builder/ort_lowering.py; False keeps the plain graph). For TensorRT: ``max_prefill``,
     ``verify_tokens``, ``max_batch`` (default: the export's), ``workspace_mib``, ``timing_cache`` (see
-    builder.tensorrt.build_tensorrt).
+    builder.tensorrt.build_tensorrt). For torch (the step module compiled ahead of time by AOTInductor,
+    torch_backend/aot.py): ``weights`` ("gguf", the default for an export of a GGUF file: the linear layers on
+    trtspec's GGUF kernels, the file's own blocks; "float"), ``int8_activations`` (the kernels' int8 variant) and
+    ``device`` ("cpu", the default, or "cuda").
     """
     export_dir = Path(export_dir)
     manifest = read_manifest(export_dir)
@@ -34,6 +37,19 @@ def build(export_dir: str | os.PathLike, out_dir: str | os.PathLike, *, backend:
     tensorrt_only = {"max_prefill": max_prefill, "verify_tokens": verify_tokens, "max_batch": max_batch,
                      "workspace_mib": workspace_mib, "timing_cache": timing_cache}
     tensorrt_options = {name: value for name, value in tensorrt_only.items() if value is not None}
+    if device is not None and backend != "torch":
+        raise ValueError("--device applies only to --backend torch; an onnxruntime engine runs on the CPU and a "
+                         "TensorRT engine on the GPU it was built on")
+    if backend in ("onnxruntime", "torch") and tensorrt_options:
+        raise ValueError(f"build options {', '.join(sorted(tensorrt_options))} apply only to --backend tensorrt; "
+                         "drop them or pass --backend tensorrt")
+    if backend == "torch":
+        if fuse_qdq is not None or fusion is not None:
+            raise ValueError("--no-qdq-fusion and --no-fusion apply only to --backend onnxruntime; drop them")
+        from ..torch_backend.aot import build_torch
+
+        return build_torch(export_dir, manifest, Path(out_dir), weights=weights, int8_activations=int8_activations,
+                           device=device or "cpu")
     if backend == "onnxruntime":
         if tensorrt_options:
             raise ValueError(f"build options {', '.join(sorted(tensorrt_options))} apply only to --backend tensorrt; "

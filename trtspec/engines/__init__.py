@@ -9,7 +9,7 @@ from ..errors import ArtifactError
 from ..manifest import ENGINE_FORMAT, EXPORT_FORMAT, read_manifest
 from .base import Engine
 
-BACKENDS = ("onnxruntime", "tensorrt")
+BACKENDS = ("onnxruntime", "tensorrt", "torch")
 
 
 def load_engine(path: str | os.PathLike, *, backend: str | None = None, num_threads: int | None = None) -> Engine:
@@ -28,6 +28,10 @@ def load_engine(path: str | os.PathLike, *, backend: str | None = None, num_thre
         from .tensorrt import TensorRTEngine
 
         return TensorRTEngine(path, manifest)  # num_threads is a CPU setting; a GPU engine has none
+    if built_for == "torch":
+        from .torch_aot import TorchAOTEngine
+
+        return TorchAOTEngine(path, manifest, num_threads=num_threads)
     raise ArtifactError(f"{path}: unknown backend {built_for!r} in its manifest (known: {', '.join(BACKENDS)})")
 
 

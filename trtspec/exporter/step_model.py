@@ -58,6 +58,21 @@ class FusedLinear(nn.Module):
         return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
 
 
+def rowwise_attention(q, k, v, mask, scale: float, softcap: float | None = None):
+    """SDPA as elementwise products and sums: the same code computes a query row whatever the call's number of rows
+    (a matmul's kernel, and so its order of additions, depends on it), so a row's result is the same bit for bit in
+    a decode call and in a verify call. Inductor fuses it into reductions; eager would hold [B, H, T, S, D].
+
+    q [B, H, T, D], k/v [B, Hkv, S, D], mask bool [B, 1, T, S] -> [B, H, T, D]"""
+    hkv = k.shape[1]
+    q = q.unflatten(1, (hkv, q.shape[1] // hkv))  # [B, Hkv, G, T, D]: a group of query heads per key head
+    scores = (q[..., None, :] * k[:, :, None, None]).sum(-1) * scale  # [B, Hkv, G, T, S]
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    probs = torch.softmax(scores.masked_fill(~mask[:, :, None], float("-inf")), dim=-1)
+    return (probs[..., None] * v[:, :, None, None]).sum(-2).flatten(1, 2)
+
+
 class StepModel(nn.Module):
     """forward(input_ids, position_ids, *past) -> (logits, *present); past/present per layer: key, value.
 
@@ -68,9 +83,12 @@ class StepModel(nn.Module):
 
     def __init__(self, hf_model: nn.Module, spec: ArchSpec, max_seq_len: int, *, in_place_cache: bool = False,
                  cache_slots: list[int] | None = None, tree: bool = False, hidden_layers: list[int] | None = None,
-                 fuse_projections: bool = False):
+                 fuse_projections: bool = False, rowwise_attention: bool = False):
         super().__init__()
         self.spec = spec
+        # rowwise_attention: attention as products and sums (rowwise_attention()), not SDPA: each row's result is
+        # the same whatever the call's size (the torch backend's int8-activation builds, which round it)
+        self.rowwise = rowwise_attention
         # tree: a tree_mask input [B, T, T] (contract.py); hidden_layers: HF hidden_states indices output, concatenated
         self.tree = tree
         self.hidden_layers = list(hidden_layers or [])
@@ -228,7 +246,9 @@ class StepModel(nn.Module):
         else:
             present_key = kv_cache_write(past_key, k, writes)
             present_value = kv_cache_write(past_value, v, writes)
-        if spec.attn_softcap:  # Gemma 2: SDPA has no soft-capping; one op exported as Attention(softcap=...)
+        if self.rowwise:
+            y = rowwise_attention(q, present_key, present_value, mask, self.scalings[i], spec.attn_softcap)
+        elif spec.attn_softcap:  # Gemma 2: SDPA has no soft-capping; one op exported as Attention(softcap=...)
             y = softcapped_attention(q, present_key, present_value, mask, self.scalings[i], spec.attn_softcap)
         else:
             y = F.scaled_dot_product_attention(
@@ -260,9 +280,8 @@ class StepModel(nn.Module):
             # the torch engine may pass its full caches cut to the call's live length (CachedStep): attention then
             # reads only those slots. Never in the export, whose cache inputs must feed nothing but their write.
             live = None
-            if self.in_place_cache and self.max_seq_len in self.cache_slots:
-                full = past[2 * self.cache_slots.index(self.max_seq_len)].shape[-2]
-                live = None if full == self.max_seq_len else full
+            if self.in_place_cache and self.max_seq_len in self.cache_slots:  # (the whole capacity or less)
+                live = past[2 * self.cache_slots.index(self.max_seq_len)].shape[-2]
             masks = self.masks(position_ids, live)
         h = self.embed(input_ids)
         rope = None

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from ..engines.base import (CacheRows, CallGuard, chain_mask, check_call, check_greedy_steps, forward_greedy_steps,
                             ring_rows)
+from ..engines.torch_aot import live_length
 from ..exporter.contract import max_call_tokens
 from ..errors import BackendUnavailableError
 from .cached_step import split_outputs, tree_args
@@ -30,8 +31,6 @@ BACKENDS = ("inductor", "eager", "torch_tensorrt")
 DEVICES = ("cpu", "cuda")
 # On CUDA, calls of at most this many tokens per row (decode, verify k+1) run as CUDA graphs.
 MAX_GRAPHED_TOKENS = 16
-# a CPU chain call attends the first multiple of this many slots that holds every position it reads or writes
-LIVE_STEP = 64
 # greedy_steps reads its tokens back to the host once per this many calls: a stop costs at most as many calls more
 GREEDY_CHUNK = 8
 
@@ -49,7 +48,6 @@ class TorchEngine(CacheRows):
                  weights: str = "float", int8_activations: bool = False):
         import torch
 
-        from ..exporter.step_model import StepModel
         from .cached_step import CachedStep
 
         self.path = source.path
@@ -69,21 +67,8 @@ class TorchEngine(CacheRows):
         features = model.get("hidden_states") or {}
         self.features_size = features.get("size")
         self.features = None  # the last call's hidden_states [B, T, features_size] (numpy), engines with features
-        # built on the CPU (its RoPE table comes from the HF rotary module there), then moved
-        hf = source.hf_model.requires_grad_(False)
-        # weights "gguf": the linear layers run our kernels on the file's own blocks (torch_backend/gguf.py)
-        self.gguf = None
-        if weights == "gguf":
-            if source.gguf_file is None:
-                raise ValueError(f"weights='gguf' needs an export of a GGUF file; {self.path} was not made from one")
-            if device != "cpu":
-                raise BackendUnavailableError("the GGUF kernels run on the CPU; use device='cpu' or weights='float'")
-            from .gguf import use_gguf_kernels
-
-            self.gguf = use_gguf_kernels(hf, source.gguf_file, source.spec, int8_activations)
-        step = StepModel(hf, source.spec, self.max_seq_len, in_place_cache=not functional_cache,
-                         cache_slots=model["cache_slots"], tree=self.tree_verify, hidden_layers=features.get("layers"),
-                         fuse_projections=not functional_cache and self.gguf is None).eval().to(self.device)
+        step, self.gguf = step_module(source, device=device, functional_cache=functional_cache, weights=weights,
+                                      int8_activations=int8_activations)
         self.module = CachedStep(step, self.max_batch, getattr(torch, model["dtype"]), self.device)
         if functional_cache:
             # TensorRT: the compiled graph takes the caches and returns them (the converter makes the
@@ -92,7 +77,7 @@ class TorchEngine(CacheRows):
             self._general = self._graphed = _functional_call(compiled, self.module)
         else:
             self._general, self._graphed = _compile(self.module, compile_backend, self.device.type)
-        # On the CPU a chain call attends the caches' live slots only, rounded up to LIVE_STEP (attention over the
+        # On the CPU a chain call attends the caches' live slots only (engines/torch_aot.py; attention over the
         # whole capacity was the largest cost of a decode call); CUDA graphs keep one shape, the whole cache.
         self._live = (torch.arange(self.max_seq_len, device=self.device)
                       if self.device.type == "cpu" and not (self.tree_verify or functional_cache) else None)
@@ -128,10 +113,7 @@ class TorchEngine(CacheRows):
                 # The compiled graphs take rows [0, B); other rows run eagerly (the scheduler's prefill calls).
                 logits, hidden = _functional_call(self.module.step, self.module, first_row)(ids, pos, tree)
             elif self._live is not None:
-                # every slot the call reads (a position) or writes (first slot + j, pad tokens included)
-                last = max(int(position_ids.max()) + 1, int(position_ids[:, 0].max()) + position_ids.shape[1])
-                live = min(self.max_seq_len, -(-last // LIVE_STEP) * LIVE_STEP)
-                logits, hidden = fn(ids, pos, tree, self._live[:live])
+                logits, hidden = fn(ids, pos, tree, self._live[: live_length(position_ids, self.max_seq_len)])
             else:
                 logits, hidden = fn(ids, pos, tree)
             if hidden is not None:
@@ -211,6 +193,36 @@ def adopt_cudagraph_tree_state(state: dict) -> None:
     for name, value in state.items():
         if not hasattr(cudagraph_trees.local, name):
             setattr(cudagraph_trees.local, name, value)
+
+
+def step_module(source, *, device: str, functional_cache: bool = False, weights: str = "float",
+                int8_activations: bool = False, rowwise: bool = False):
+    """The StepModel of ``source`` on ``device`` -> (step, the GGUF kernels' report or None).
+
+    weights "gguf": the linear layers run our kernels on the file's own blocks (torch_backend/gguf.py).
+    ``rowwise`` (compiled engines only): each row's result the same bits whatever the call's size, for builds that
+    round activations: exporter.step_model.rowwise_attention instead of SDPA, and RowwiseLinear for the layers
+    left in float beside the kernels."""
+    from ..exporter.step_model import StepModel
+
+    model = source.manifest["model"]
+    features = model.get("hidden_states") or {}
+    # built on the CPU (its RoPE table comes from the HF rotary module there), then moved
+    hf = source.hf_model.requires_grad_(False)
+    gguf = None
+    if weights == "gguf":
+        if source.gguf_file is None:
+            raise ValueError(f"weights='gguf' needs an export of a GGUF file; {source.path} was not made from one")
+        if device != "cpu":
+            raise BackendUnavailableError("the GGUF kernels run on the CPU; use device='cpu' or weights='float'")
+        from .gguf import use_gguf_kernels
+
+        gguf = use_gguf_kernels(hf, source.gguf_file, source.spec, int8_activations, rowwise)
+    step = StepModel(hf, source.spec, model["max_seq_len"], in_place_cache=not functional_cache,
+                     cache_slots=model["cache_slots"], tree=bool(model.get("tree_verify")),
+                     hidden_layers=features.get("layers"), fuse_projections=not functional_cache and gguf is None,
+                     rowwise_attention=rowwise)
+    return step.eval().to(device), gguf
 
 
 def _functional_call(compiled_step, module, first_row: int = 0):

@@ -42,8 +42,29 @@ class GGUFLinear(nn.Module):
                 f"int8_activations={self.int8_activations}")
 
 
-def use_gguf_kernels(hf: nn.Module, gguf_path: Path, spec, int8_activations: bool) -> dict:
-    """Replace ``hf``'s linear layers by GGUFLinear on the file's blocks, in place.
+class RowwiseLinear(nn.Module):
+    """nn.Linear as products and a sum per output: a row's result is the same bits whatever the call's number of
+    rows (a matmul's kernel, and its order of additions, depends on it). For the float layers left beside the
+    kernels in a build whose rows must not depend on the call (rowwise); inductor fuses it into one reduction."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.weight = nn.Parameter(linear.weight.detach().clone(), requires_grad=False)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+
+    def forward(self, x):
+        y = (x[..., None, :] * self.weight).sum(-1)
+        return y if self.bias is None else y + self.bias
+
+
+def _replace(hf: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(hf.get_submodule(parent_name) if parent_name else hf, child, module)
+
+
+def use_gguf_kernels(hf: nn.Module, gguf_path: Path, spec, int8_activations: bool, rowwise: bool = False) -> dict:
+    """Replace ``hf``'s linear layers by GGUFLinear on the file's blocks, in place; ``rowwise``: the layers left in
+    float by RowwiseLinear.
 
     Returns {"kernels": {layer: type}, "float": {layer: why}}."""
     from ..exporter.gguf import file_blocks, tensors_by_hf_name
@@ -60,16 +81,14 @@ def use_gguf_kernels(hf: nn.Module, gguf_path: Path, spec, int8_activations: boo
         t = tensors.get(f"{name}.weight")
         if t is None and module.weight is embed:  # a tied head: the embedding's tensor
             t = tensors.get(embed_name)
-        if t is None:
-            left[name] = "no tensor of the file found for it"
-            continue
-        found = file_blocks(t, module.weight.detach().float().numpy(), spec.num_heads, spec.num_kv_heads)
+        found = "no tensor of the file found for it" if t is None else file_blocks(
+            t, module.weight.detach().float().numpy(), spec.num_heads, spec.num_kv_heads)
         if isinstance(found, str):
             left[name] = found
+            if rowwise:
+                _replace(hf, name, RowwiseLinear(module))
             continue
-        layer = GGUFLinear(kernels.pack(found[0]), module.bias, int8_activations)
-        parent_name, _, child = name.rpartition(".")
-        setattr(hf.get_submodule(parent_name) if parent_name else hf, child, layer)
+        _replace(hf, name, GGUFLinear(kernels.pack(found[0]), module.bias, int8_activations))
         done[name] = found[0].type_name
     log.info("GGUF kernels: %d linear layers on the file's blocks%s", len(done),
              f"; {len(left)} left in float" if left else "")

@@ -1,0 +1,162 @@
+"""`trtspec build --backend torch`: the step module as an AOTInductor package (engines/torch_aot.py).
+
+Its logits equal the onnxruntime engine's of the same export (a GGUF file's, on our kernels; an HF model's, with
+tree calls and features), each row's logits are the same in every call with int8 activations, speculation over it
+is its own greedy output for every drafter, and a fresh process loads it without compiling anything; an engine
+whose kernels or torch are missing at load time is refused with the fix.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import trtspec
+from conftest import MAX_BATCH, S_MAX, hf_logits, random_ids
+from trtspec import ArtifactError, BackendUnavailableError, Generator, load_engine
+from trtspec.engines.base import tree_positions
+from trtspec.engines.torch_aot import TorchAOTEngine
+from trtspec.testing import make_tiny_gguf
+
+TOL = 1e-4
+PROMPT = "def add(a, b):\n    return a + b\n\nfor i in range(10):\n"
+FEATURES = "low,mid,high,last"
+
+
+@pytest.fixture(scope="module")
+def gguf(tmp_path_factory):
+    root = tmp_path_factory.mktemp("aot-gguf")
+    exp = trtspec.export(make_tiny_gguf(root / "tiny.gguf"), root / "export", max_seq_len=S_MAX, max_batch=2)
+    return {"export": exp, "float": trtspec.build(exp, root / "float", weights="float"),
+            "torch": trtspec.build(exp, root / "torch", backend="torch"),
+            "int8": trtspec.build(exp, root / "int8", backend="torch", int8_activations=True)}
+
+
+def _calls(engine, ids):
+    """Logits of a prefill chunk, a decode call and a verify-sized call on row 0, and a chunk on row 1."""
+    engine.reset()
+    return [engine.forward(ids[None, start:end], np.arange(start, end)[None], first_row=row)
+            for start, end, row in ((0, 13, 0), (13, 14, 0), (14, 20, 0), (0, 7, 1))]
+
+
+def test_gguf_engine_on_our_kernels_computes_with_the_files_weights(gguf):
+    """Float activations: the onnxruntime float build's logits (the file's dequantized weights; the IQ4_NL layer
+    stays float in both). Int8 activations: the eager torch engine's on the same kernels (only the fusion of the
+    float operations around them differs)."""
+    engine = load_engine(gguf["torch"])
+    assert isinstance(engine, TorchAOTEngine) and engine.manifest["build"]["gguf"]["kernels"] == 14
+    assert engine.manifest["build"]["gguf"]["float"] == {"model.layers.1.mlp.down_proj": "IQ4_NL: not a type kept "
+                                                                                         "as it is"}
+    ids = random_ids(20, seed=2, vocab=200)
+    for got, want in zip(_calls(engine, ids), _calls(load_engine(gguf["float"]), ids)):
+        np.testing.assert_allclose(got, want, atol=TOL, rtol=0)
+    eager = trtspec.compile(gguf["export"], backend="eager", weights="gguf", int8_activations=True)
+    for got, want in zip(_calls(load_engine(gguf["int8"]), ids), _calls(eager, ids)):
+        np.testing.assert_allclose(got, want, atol=1e-3, rtol=0)
+
+
+def test_int8_rows_are_the_same_in_every_call_and_speculation_is_exact(gguf):
+    """A row's logits, bit for bit, whether it runs alone or beside another row, as a decode call or inside a
+    verify-sized call: so greedy speculation over the engine equals its own greedy output, for every drafter."""
+    engine = load_engine(gguf["int8"])
+    ids = random_ids(24, seed=5, vocab=200)
+    engine.reset()
+    alone = [engine.forward(ids[None, :16], np.arange(16)[None])[0, -1].copy()]
+    for j in range(16, 20):  # decode calls
+        alone.append(engine.forward(ids[None, j : j + 1], np.array([[j]]))[0, 0].copy())
+    engine.reset()
+    other = random_ids(20, seed=6, vocab=200)
+    both = engine.forward(np.stack([ids[:16], other[:16]]), np.tile(np.arange(16), (2, 1)))
+    together = [both[0, -1]]
+    verify = engine.forward(np.stack([ids[16:20], other[16:20]]), np.tile(np.arange(16, 20), (2, 1)))
+    together += list(verify[0])
+    for a, b in zip(alone, together):
+        np.testing.assert_array_equal(a, b)
+    want = Generator(engine).generate(PROMPT, max_new_tokens=24).token_ids
+    for drafter in ("prompt_lookup", "suffix"):
+        assert Generator(engine, drafter=drafter).generate(PROMPT, max_new_tokens=24).token_ids == want, drafter
+
+
+def _fresh_process(code: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=300)
+
+
+def test_a_fresh_process_loads_the_engine_without_compiling(gguf, tmp_path):
+    """The logits are this process's, and nothing is compiled but torch's probes of the CPU's vector ISA (which
+    loading any package makes): the package is the whole engine."""
+    inductor_cache = tmp_path / "inductor"
+    inductor_cache.mkdir()
+    ids = random_ids(6, seed=9, vocab=200)
+    engine = load_engine(gguf["int8"])
+    engine.reset()
+    want = engine.forward(ids[None], np.arange(6)[None])
+    out = tmp_path / "logits.npy"
+    run = _fresh_process(f"""
+        import numpy as np
+        from trtspec import load_engine
+        e = load_engine({str(gguf['int8'])!r})
+        np.save({str(out)!r}, e.forward(np.array([{ids.tolist()}]), np.arange(6)[None]))
+    """, {"TORCHINDUCTOR_CACHE_DIR": str(inductor_cache)})
+    assert run.returncode == 0, run.stderr
+    np.testing.assert_array_equal(np.load(out), want)
+    sources = list(inductor_cache.rglob("*.cpp"))
+    assert all("_chk_kernel" in p.read_text() for p in sources), [p.read_text()[:300] for p in sources]
+
+
+def test_an_engine_whose_kernels_cannot_be_built_is_refused_with_the_fix(gguf, tmp_path):
+    run = _fresh_process(f"""
+        from trtspec import load_engine
+        load_engine({str(gguf['int8'])!r})
+    """, {"TRTSPEC_CXX": str(tmp_path / "no-such-g++"), "TRTSPEC_CACHE": str(tmp_path / "cache")})
+    assert run.returncode != 0
+    assert "BackendUnavailableError" in run.stderr and "Install a C++ compiler" in run.stderr, run.stderr
+
+
+def test_an_engine_of_another_torch_is_refused(gguf, tmp_path):
+    copy = tmp_path / "engine"
+    shutil.copytree(gguf["int8"], copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["build"]["torch"] = "1.0.0"
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match="runs only on the torch that built it"):
+        load_engine(copy)
+
+
+def test_build_options_are_checked(gguf, exported, tmp_path):
+    with pytest.raises(ValueError, match="no blocks for --weights gguf"):
+        trtspec.build(exported("llama"), tmp_path / "a", backend="torch", weights="gguf")
+    with pytest.raises(ValueError, match="--int8-activations goes with the GGUF kernels"):
+        trtspec.build(gguf["export"], tmp_path / "b", backend="torch", weights="float", int8_activations=True)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_float_engine_of_a_tree_export_equals_hf_with_trees_and_features(exported, built, model_dir, hf_model,
+                                                                          tmp_path):
+    """An HF model's export with tree verification and features, built for torch: chain calls equal HF's logits
+    and the onnxruntime engine's features; a tree call's logits and features equal the onnxruntime engine's."""
+    options = dict(tree=True, hidden_states=FEATURES, ring_cache=False)
+    engine = load_engine(trtspec.build(exported("llama", **options), tmp_path / "e", backend="torch"))
+    ref = load_engine(built("llama", **options))
+    assert engine.max_batch == MAX_BATCH and engine.max_seq_len == S_MAX
+    ids = random_ids(14, seed=4)
+    want = hf_logits(hf_model(model_dir("llama")), ids)
+    for e in (engine, ref):
+        e.reset()
+    for start, end in ((0, 9), (9, 10), (10, 14)):
+        got = engine.forward(ids[None, start:end], np.arange(start, end)[None])
+        np.testing.assert_allclose(got[0], want[start:end], atol=TOL, rtol=0)
+        ref.forward(ids[None, start:end], np.arange(start, end)[None])
+        np.testing.assert_allclose(engine.features, ref.features, atol=TOL, rtol=0)
+    mask, depth = tree_positions([[-1, 0, 0, 1, 2]])
+    tokens = random_ids(5, seed=8)[None]
+    got = engine.forward(tokens, 14 + depth, tree_mask=mask)
+    np.testing.assert_allclose(got, ref.forward(tokens, 14 + depth, tree_mask=mask), atol=TOL, rtol=0)
+    np.testing.assert_allclose(engine.features, ref.features, atol=TOL, rtol=0)

@@ -1,0 +1,148 @@
+"""A torch engine built ahead of time (`trtspec build --backend torch`): an AOTInductor package of the step module.
+
+The package (torch_backend/aot.py builds it) is one shared library with the weights inside; loading it compiles
+nothing and a call runs no Python per op. Its signature:
+
+    (input_ids [B, T], position_ids [B, T], tree_mask [B, T, T] | live [L], *caches) -> logits[, hidden_states]
+
+The caches are this engine's buffers, rows [first_row, first_row + B), written in place. A full-length cache has
+CACHE_PAD slot more than max_seq_len, never read nor written: a call attends its first L slots (live, a multiple
+of LIVE_STEP that holds every slot the call reads or writes), and a cut that can never equal the buffer keeps
+torch.export from specialising L. An engine of a tree export takes a tree_mask instead (a chain call's: the
+causal mask) and attends the whole capacity.
+
+An engine whose linear layers run trtspec's GGUF kernels needs them compiled here (trtspec/kernels); without a
+compiler it is refused with the fix, not run on a slower path.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import ArtifactError, BackendUnavailableError
+from ..exporter.contract import max_call_tokens
+from .base import CacheRows, CallGuard, chain_mask, check_call, forward_greedy_steps, ring_rows
+
+PACKAGE = "step.pt2"
+CACHE_PAD = 1
+# a chain call attends the first multiple of this many slots that holds every position it reads or writes
+LIVE_STEP = 64
+
+log = logging.getLogger("trtspec.torch")
+
+
+def live_length(position_ids: np.ndarray, max_seq_len: int) -> int:
+    """The cache slots a chain call attends: every slot it reads (a position) or writes (first slot + j, pad tokens
+    included), rounded up to LIVE_STEP, at most max_seq_len."""
+    last = max(int(position_ids.max()) + 1, int(position_ids[:, 0].max()) + position_ids.shape[1])
+    return min(max_seq_len, -(-last // LIVE_STEP) * LIVE_STEP)
+
+
+def kernel_schema() -> str:
+    """The GGUF kernels' op schema, which a package calls by name: recorded at build, checked at load."""
+    import torch
+
+    return str(torch.ops.trtspec.gguf_linear.default._schema)
+
+
+def require_native_kernels(what: str) -> None:
+    """Load trtspec's compiled GGUF kernels, or refuse ``what`` with the reason and the fix."""
+    from .. import kernels
+
+    if kernels.load() != "native":
+        raise BackendUnavailableError(
+            f"{what} runs trtspec's compiled GGUF kernels, which could not be built on this machine "
+            f"({kernels.status().get('reason')}). Install a C++ compiler (Debian: apt install g++) or point "
+            "TRTSPEC_CXX at one, then load it again; or use an onnxruntime engine of the same export")
+
+
+class TorchAOTEngine(CacheRows):
+    """The engine protocol (engines/base.py) over an AOTInductor package. Not thread-safe (engines/base.py)."""
+
+    backend = "torch"
+
+    def __init__(self, path: Path, manifest: dict, *, num_threads: int | None = None):
+        import torch
+
+        self.path, self.manifest = Path(path), manifest
+        build = manifest["build"]
+        if build["torch"] != torch.__version__:
+            raise ArtifactError(
+                f"{path} was built with torch {build['torch']} and this is torch {torch.__version__}; an AOTInductor "
+                "package runs only on the torch that built it: rebuild it with `trtspec build --backend torch`")
+        self.device = torch.device(build["device"])
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise BackendUnavailableError(f"{path} was built for CUDA and torch sees no GPU here; build it with "
+                                          "`trtspec build --backend torch --device cpu`")
+        if build.get("kernel_schema"):
+            require_native_kernels(str(path))
+            if kernel_schema() != build["kernel_schema"]:
+                raise ArtifactError(f"{path} calls the GGUF kernels as {build['kernel_schema']}, and this trtspec's "
+                                    f"are {kernel_schema()}; rebuild it with `trtspec build --backend torch`")
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        model = manifest["model"]
+        self.max_seq_len, self.max_batch = model["max_seq_len"], model["max_batch"]
+        self.vocab_size = model["vocab_size"]
+        self.max_call_tokens = max_call_tokens(model)
+        self.tree_verify = bool(model.get("tree_verify"))
+        self.features_size = (model.get("hidden_states") or {}).get("size")
+        self.features = None  # the last call's hidden_states [B, T, features_size] (numpy), engines with features
+        self._rings = ring_rows(model, self.max_batch)
+        self._guard = CallGuard(f"{path} (torch)")
+        dtype = getattr(torch, model["dtype"])
+        self._caches = [torch.zeros((self.max_batch, model["num_kv_heads"], n + CACHE_PAD * (n == self.max_seq_len),
+                                     model["head_dim"]), dtype=dtype, device=self.device)
+                        for n in model["cache_slots"] for _ in (0, 1)]
+        self._slots = torch.arange(self.max_seq_len, device=self.device)
+        self._runner = torch._inductor.aoti_load_package(str(self.path / manifest["graph"]))
+
+    @property
+    def caches(self):
+        """The KV cache buffers, [max_batch, Hkv, slots, D] each (key_0, value_0, key_1, ...)."""
+        return [c[:, :, : self.max_seq_len] for c in self._caches]
+
+    def forward(self, input_ids, position_ids, first_row: int = 0, tree_mask=None, inputs=None):
+        # input_ids [B, T] int64, position_ids [B, T] int64 -> logits [B, T, V] float32 numpy (a fresh array)
+        import torch
+
+        if inputs:
+            raise ValueError(f"torch engines take no extra inputs ({', '.join(inputs)}): draft heads run as their "
+                             "own onnxruntime step graph (trtspec export-head)")
+        input_ids, position_ids, tree_mask = check_call(self, input_ids, position_ids, first_row, tree_mask)
+        if self._rings is not None:
+            self._rings.wrote(first_row, position_ids)
+        dev = self.device
+        args = [torch.from_numpy(input_ids).to(dev), torch.from_numpy(position_ids).to(dev)]
+        if self.tree_verify:  # a chain call passes the causal mask; a tree call attends the whole capacity
+            mask = chain_mask(*input_ids.shape).copy() if tree_mask is None else tree_mask
+            args.append(torch.from_numpy(mask).to(dev))
+        else:
+            args.append(self._slots[: live_length(position_ids, self.max_seq_len)])
+        b = input_ids.shape[0]
+        args += [c[first_row : first_row + b] for c in self._caches]
+        with self._guard, torch.no_grad():
+            out = self._runner(*args)
+            logits = out[0] if self.features_size else out
+            if self.features_size:
+                self.features = out[1].float().cpu().numpy()
+            return logits.float().cpu().numpy()
+
+    def greedy_steps(self, row: int, token: int, position: int, steps: int, on_token) -> tuple[int, float]:
+        return forward_greedy_steps(self, row, token, position, steps, on_token)
+
+    # the cache-row operations: engines/base.CacheRows over this engine's buffers
+    def _cache_buffers(self):
+        return self._caches
+
+    @staticmethod
+    def _copied(view):
+        return view.clone()
+
+    def _moves(self, indices):
+        import torch
+
+        return torch.from_numpy(indices).to(self.device)
