@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -134,7 +135,8 @@ class WrappedEngine:
         return self.engine.forward(ids, pos, first_row=first_row, **kw)
 
 
-__all__ = ["ARCHITECTURES", "MAX_BATCH", "S_MAX", "Server", "WrappedEngine", "hf_logits", "random_ids"]
+__all__ = ["ARCHITECTURES", "BATCHING", "MAX_BATCH", "S_MAX", "TREE", "Server", "WrappedEngine", "hf_logits",
+           "make_prompt", "random_ids", "released_head"]
 
 
 @pytest.fixture(scope="session")
@@ -221,3 +223,112 @@ def chat_export(tmp_path_factory):
     tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(src)
     return export(src, tmp_path_factory.mktemp("export-chat") / "a", max_seq_len=128, max_batch=4)
+
+
+# -- continuous batching (test_scheduler, test_submission, test_worker, test_draft_model) ---------------------------
+
+BATCHING = {"max_seq_len": 256, "max_batch": 4}  # the options of these tests' target and draft exports
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+
+
+def make_prompt(i: int, words: int) -> str:
+    rng = np.random.default_rng(i)
+    return " ".join(rng.choice(WORDS, size=words))
+
+
+@pytest.fixture(scope="module")
+def alone(target):
+    """A request's output run alone: plain target decoding, one request at a time (on the module's ``target``)."""
+    from trtspec import Generator
+
+    gen = Generator(target)
+    cache = {}
+
+    def get(prompt, **params):
+        key = (prompt, repr(sorted(params.items())))
+        if key not in cache:
+            cache[key] = gen.generate(prompt, **params)
+        return cache[key]
+
+    return get
+
+
+# the tree tests' targets (test_tree, test_trees): a --tree export with the features a head reads
+FEATURES = "low,mid,high,last"
+TREE = dict(tree=True, hidden_states=FEATURES, ring_cache=False)
+
+
+@pytest.fixture(scope="session")
+def tree_engine(exported, built, model_dir):
+    import trtspec
+    from trtspec import load_engine
+
+    compiled = {}
+
+    def get(arch: str, form: str = "fused"):
+        # form: "export" (the portable graph), "plain" / "fused" (onnxruntime builds), "torch" / "torch-inductor"
+        # (the torch backend, eager or compiled, with the same tree input and features output)
+        if form.startswith("torch"):
+            if (arch, form) not in compiled:
+                compiled[arch, form] = trtspec.compile(model_dir(arch), max_seq_len=S_MAX, max_batch=MAX_BATCH,
+                                                       backend=form.partition("-")[2] or "eager", tree=True,
+                                                       hidden_states=FEATURES)
+            engine = compiled[arch, form]
+            engine.reset()
+            return engine
+        path = exported(arch, **TREE) if form == "export" else built(arch, fusion=form == "fused", **TREE)
+        return load_engine(path)
+
+    return get
+
+
+# -- EAGLE-3 heads (test_heads, test_eagle3) ------------------------------------------------------------------------
+
+def released_head(out, target_dir, *, draft_vocab=200, seed=0):
+    """A random EAGLE-3 head written exactly as the EAGLE authors publish theirs: config.json (architecture
+    LlamaForCausalLMEagle3, draft_vocab_size) and pytorch_model.bin with fc / midlayer.* / norm / lm_head / d2t /
+    t2d, no embedding (it is the target's)."""
+    import torch
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(target_dir)
+    h, nh, nkv = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
+    d = h // nh
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape):
+        return torch.randn(*shape, generator=g) * (shape[-1] ** -0.5)
+
+    ids = torch.sort(torch.randperm(cfg.vocab_size, generator=g)[:draft_vocab]).values
+    state = {
+        "fc.weight": w(h, 3 * h),
+        "midlayer.self_attn.q_proj.weight": w(nh * d, 2 * h), "midlayer.self_attn.k_proj.weight": w(nkv * d, 2 * h),
+        "midlayer.self_attn.v_proj.weight": w(nkv * d, 2 * h), "midlayer.self_attn.o_proj.weight": w(h, nh * d),
+        "midlayer.mlp.gate_proj.weight": w(96, h), "midlayer.mlp.up_proj.weight": w(96, h),
+        "midlayer.mlp.down_proj.weight": w(h, 96),
+        "midlayer.hidden_norm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+        "midlayer.input_layernorm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+        "midlayer.post_attention_layernorm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+        "norm.weight": torch.ones(h), "lm_head.weight": w(draft_vocab, h) * 8,
+        "d2t": ids - torch.arange(draft_vocab), "t2d": torch.zeros(cfg.vocab_size, dtype=torch.bool).index_fill(0, ids, True),
+    }
+    out.mkdir(parents=True)
+    torch.save(state, out / "pytorch_model.bin")
+    (out / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": h, "intermediate_size": 96,
+        "num_attention_heads": nh, "num_key_value_heads": nkv, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "vocab_size": cfg.vocab_size, "draft_vocab_size": draft_vocab, "max_position_embeddings": 2048,
+        "hidden_act": "silu", "torch_dtype": "float32"}))
+    return out
+
+
+@pytest.fixture(scope="session")
+def eagle(tmp_path_factory, exported, built, model_dir):
+    """(a built target with features, the released head exported for it, the released head's directory)"""
+    from trtspec.heads.export import export_head
+
+    target = built(ARCH, tree=True, hidden_states="low,mid,high,last")  # (more layers than the head reads)
+    tmp = tmp_path_factory.mktemp("eagle3")
+    head_dir = released_head(tmp / "released", model_dir(ARCH))
+    head = export_head(head_dir, tmp / "head", target=target)
+    return target, head, head_dir

@@ -1,5 +1,5 @@
-"""Draft heads on the target's features: an EAGLE-3 head in its authors' released layout loads, exports to a step
-graph equal to the torch head, and drafts for exact speculation (chains and trees, batched, sampled)."""
+"""Draft heads on the target's features (heads/): an EAGLE-3 head in its authors' released layout loads and exports
+to a step graph equal to the torch head; trained heads draft. Their drafters: test_eagle3.py, test_medusa.py."""
 
 from __future__ import annotations
 
@@ -8,59 +8,11 @@ import json
 import numpy as np
 import pytest
 
+from conftest import released_head
 from trtspec import Generator, load_engine
 
 ARCH = "llama-gqa-rope3"
 TOL = 1e-4
-
-
-def released_head(out, target_dir, *, draft_vocab=200, seed=0):
-    """A random EAGLE-3 head written exactly as the EAGLE authors publish theirs: config.json (architecture
-    LlamaForCausalLMEagle3, draft_vocab_size) and pytorch_model.bin with fc / midlayer.* / norm / lm_head / d2t /
-    t2d, no embedding (it is the target's)."""
-    import torch
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.from_pretrained(target_dir)
-    h, nh, nkv = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
-    d = h // nh
-    g = torch.Generator().manual_seed(seed)
-
-    def w(*shape):
-        return torch.randn(*shape, generator=g) * (shape[-1] ** -0.5)
-
-    ids = torch.sort(torch.randperm(cfg.vocab_size, generator=g)[:draft_vocab]).values
-    state = {
-        "fc.weight": w(h, 3 * h),
-        "midlayer.self_attn.q_proj.weight": w(nh * d, 2 * h), "midlayer.self_attn.k_proj.weight": w(nkv * d, 2 * h),
-        "midlayer.self_attn.v_proj.weight": w(nkv * d, 2 * h), "midlayer.self_attn.o_proj.weight": w(h, nh * d),
-        "midlayer.mlp.gate_proj.weight": w(96, h), "midlayer.mlp.up_proj.weight": w(96, h),
-        "midlayer.mlp.down_proj.weight": w(h, 96),
-        "midlayer.hidden_norm.weight": 1 + 0.1 * torch.randn(h, generator=g),
-        "midlayer.input_layernorm.weight": 1 + 0.1 * torch.randn(h, generator=g),
-        "midlayer.post_attention_layernorm.weight": 1 + 0.1 * torch.randn(h, generator=g),
-        "norm.weight": torch.ones(h), "lm_head.weight": w(draft_vocab, h) * 8,
-        "d2t": ids - torch.arange(draft_vocab), "t2d": torch.zeros(cfg.vocab_size, dtype=torch.bool).index_fill(0, ids, True),
-    }
-    out.mkdir(parents=True)
-    torch.save(state, out / "pytorch_model.bin")
-    (out / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": h, "intermediate_size": 96,
-        "num_attention_heads": nh, "num_key_value_heads": nkv, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-        "vocab_size": cfg.vocab_size, "draft_vocab_size": draft_vocab, "max_position_embeddings": 2048,
-        "hidden_act": "silu", "torch_dtype": "float32"}))
-    return out
-
-
-@pytest.fixture(scope="module")
-def eagle(tmp_path_factory, exported, built, model_dir):
-    from trtspec.heads.export import export_head
-
-    target = built(ARCH, tree=True, hidden_states="low,mid,high,last")  # (more layers than the head reads)
-    tmp = tmp_path_factory.mktemp("eagle3")
-    head_dir = released_head(tmp / "released", model_dir(ARCH))
-    head = export_head(head_dir, tmp / "head", target=target)
-    return target, head, head_dir
 
 
 def test_released_layout_loads_and_the_exported_head_equals_it(eagle, model_dir):
@@ -100,22 +52,6 @@ def test_released_layout_loads_and_the_exported_head_equals_it(eagle, model_dir)
     assert manifest["logits_size"] == 200 and manifest["target_layers"] == [1, 1, 1]
 
 
-@pytest.mark.parametrize("batch", [1, 3])
-@pytest.mark.parametrize("tree_width", [1, 3])
-def test_greedy_eagle3_speculation_equals_target_greedy(eagle, batch, tree_width):
-    target_path, head_path, _ = eagle
-    target = load_engine(target_path)
-    prompts = ["def add(a, b):", "The quick brown fox jumps over the lazy dog. The quick", "import os"][:batch]
-    reference = [r.token_ids for r in Generator(target).generate(prompts, max_new_tokens=16)]
-    gen = Generator(target, head_path, drafter="eagle3", num_draft_tokens=3, k_policy="fixed", tree_width=tree_width)
-    out = gen.generate(prompts, max_new_tokens=16)  # (within the 64-slot cache: trees are never cut for room)
-    assert [r.token_ids for r in out] == reference
-    assert out.stats.proposed > 0
-    # the head drafted every round after the first: it got the target's features of every verified position
-    # (the last rounds draft fewer: the output's room)
-    assert all(r.stats.proposed >= 3 * (r.stats.rounds - 3) for r in out)
-
-
 def test_a_built_head_keeps_its_vocabulary_map_and_drafts_as_its_export(eagle, tmp_path):
     """`trtspec build` of an exported head: the engine carries draft_to_target.npy (before 2026-11-27 it did not,
     and the head engine was refused as "not an exported draft head"), and drafts the same tokens as the export."""
@@ -135,66 +71,6 @@ def test_a_built_head_keeps_its_vocabulary_map_and_drafts_as_its_export(eagle, t
     assert [r.token_ids for r in runs[1]] == [r.token_ids for r in runs[0]] == reference
     assert runs[1].stats.proposed == runs[0].stats.proposed > 0
     assert runs[1].stats.accepted == runs[0].stats.accepted
-
-
-@pytest.mark.parametrize("tree_width", [1, 3])
-def test_greedy_eagle3_speculation_over_a_torch_target_equals_its_greedy(eagle, model_dir, tree_width):
-    import trtspec
-    from conftest import MAX_BATCH, S_MAX
-
-    # the torch backend with the same features (the head reads low/mid/high) and tree input as the built target
-    target = trtspec.compile(model_dir(ARCH), max_seq_len=S_MAX, max_batch=MAX_BATCH, backend="eager", tree=True,
-                             hidden_states="low,mid,high,last")
-    prompts = ["def add(a, b):", "The quick brown fox jumps over the lazy dog. The quick", "import os"]
-    reference = [r.token_ids for r in Generator(target).generate(prompts, max_new_tokens=16)]
-
-    def run(target):  # -> (outputs, the target features the head was fed)
-        head, fed = load_engine(eagle[1]), []
-        forward = head.forward
-
-        def recorded(ids, pos, first_row=0, **kw):
-            features = (kw.get("inputs") or {}).get("features")
-            if features is not None:
-                fed.append(features.copy())
-            return forward(ids, pos, first_row=first_row, **kw)
-
-        head.forward = recorded
-        gen = Generator(target, head, drafter="eagle3", num_draft_tokens=3, k_policy="fixed", tree_width=tree_width)
-        return gen.generate(prompts, max_new_tokens=16), fed
-
-    out, fed = run(target)
-    assert [r.token_ids for r in out] == reference
-    assert all(r.stats.proposed >= 3 * (r.stats.rounds - 3) for r in out)
-    # the head read the same features from the torch target as from the onnxruntime one
-    ort_out, ort_fed = run(load_engine(eagle[0]))
-    assert [r.token_ids for r in ort_out] == reference and len(fed) == len(ort_fed) > 0
-    for got, ref in zip(fed, ort_fed):
-        np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
-
-
-@pytest.mark.parametrize("tree_width", [1, 3])
-def test_eagle3_under_a_grammar_ends_its_chain_where_its_vocabulary_allows_nothing(eagle, tree_width):
-    # the grammar allows only letters whose tokens are off the head's reduced vocabulary: the head can propose
-    # nothing there, so its chain ends (it used to propose a token the grammar refuses, failing the request)
-    from trtspec.heads.export import draft_to_target
-
-    target_path, head_path, _ = eagle
-    target = load_engine(target_path)
-    head = load_engine(head_path)
-    on_head = set(draft_to_target(head).tolist())
-    tok = Generator(target).tokenizer
-    off = [c for c in "abcdefghijklmnopqrstuvwxyz" if tok.encode(c, add_special_tokens=False)[0] not in on_head
-           and len(tok.encode(c, add_special_tokens=False)) == 1]
-    assert len(off) >= 3
-    fmt = {"type": "regex", "regex": "(" + "|".join(off[:3]) + "){8}"}
-    prompts = ["def add(a, b):", "import os"]
-    gen = Generator(target, head, drafter="eagle3", num_draft_tokens=3, k_policy="fixed", tree_width=tree_width)
-    plain = Generator(target)
-    for temperature in (0.0, 1.0):
-        want = plain.generate(prompts, max_new_tokens=12, temperature=temperature, seed=5, response_format=fmt)
-        got = gen.generate(prompts, max_new_tokens=12, temperature=temperature, seed=5, response_format=fmt)
-        assert [r.text for r in got] == [r.text for r in want]
-        assert all(len(r.text) == 8 and set(r.text) <= set(off[:3]) for r in got)
 
 
 def test_eagle3_with_a_self_consistent_head_accepts(tmp_path, exported, built, model_dir):
@@ -261,70 +137,6 @@ def test_a_head_finds_the_targets_embedding_after_the_export_moved(eagle, export
     with pytest.raises(ArtifactError, match="--target-model DIR"):
         export_head(head_dir, tmp_path / "head2", target=unknown)
     assert export_head(head_dir, tmp_path / "head3", target=unknown, target_model=model_dir(ARCH)).is_dir()
-
-
-# -- Medusa -----------------------------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def medusa(tmp_path_factory, built, model_dir):
-    """Medusa heads trained briefly on the tiny target's own greedy text (so they agree with it often)."""
-    from trtspec import distill
-
-    tmp = tmp_path_factory.mktemp("medusa")
-    target = built(ARCH, tree=True, hidden_states="last")
-    text = tmp / "text"
-    text.mkdir()
-    for i, r in enumerate(Generator(load_engine(target)).generate(["def", "The", "import", "class", "for", "x ="] * 2,
-                                                                  max_new_tokens=60)):
-        (text / f"s{i}.py").write_text(r.text)
-    distill(model_dir(ARCH), tmp / "heads", [text], method="medusa", heldout=[text / "s0.py"], medusa_heads=3,
-            draft_vocab=320, steps=60, batch=8, seq=32, lr=5e-3, eval_prompts=0)
-    return target, tmp / "heads"
-
-
-@pytest.mark.parametrize("batch", [1, 3])
-def test_greedy_medusa_tree_speculation_equals_target_greedy(medusa, exported, batch):
-    target, heads = medusa
-    prompts = ["def", "The quick", "import os"][:batch]
-    engine = load_engine(target)
-    reference = [r.token_ids for r in Generator(engine).generate(prompts, max_new_tokens=30)]
-    gen = Generator(engine, heads, drafter="medusa", num_draft_tokens=3, k_policy="fixed", tree_nodes=8)
-    out = gen.generate(prompts, max_new_tokens=30)
-    assert [r.token_ids for r in out] == reference
-    shapes = gen.scheduler.stats().tree_shapes
-    assert out.stats.accepted > 0 and set(shapes) == {"medusa8"} and shapes["medusa8"] > 0
-    # a target without --tree: each head's first choice, verified as a chain
-    chain_target = load_engine(exported(ARCH, hidden_states="last"))
-    out = Generator(chain_target, heads, drafter="medusa", num_draft_tokens=3, k_policy="fixed").generate(prompts, max_new_tokens=30)
-    assert [r.token_ids for r in out] == reference
-
-
-def test_medusa_heads_in_the_authors_layout_load(tmp_path, medusa):
-    """medusa_lm_head.pt with full-vocabulary heads and no d2t (the Medusa authors' release) drafts as well."""
-    import torch
-
-    from trtspec.heads.medusa import HeadRunner
-
-    target, heads = medusa
-    ours = HeadRunner(heads)
-    full = {}
-    v = ours.vocab
-    for i in range(ours.num_heads):
-        w, b = ours.blocks[i]
-        full[f"medusa_head.{i}.0.linear.weight"] = torch.from_numpy(w.T.copy())
-        full[f"medusa_head.{i}.0.linear.bias"] = torch.from_numpy(b.copy())
-        lm = torch.full((v, ours.hidden), 0.0)
-        lm[torch.from_numpy(ours.to_target)] = torch.from_numpy(ours.heads[i].T.copy())
-        full[f"medusa_head.{i}.1.weight"] = lm
-    out = tmp_path / "authors"
-    out.mkdir()
-    torch.save(full, out / "medusa_lm_head.pt")
-    (out / "config.json").write_text(json.dumps({"medusa_num_heads": ours.num_heads, "medusa_num_layers": 1,
-                                                 "hidden_size": ours.hidden, "vocab_size": v}))
-    theirs = HeadRunner(out)
-    hidden = np.random.default_rng(0).normal(size=(2, ours.hidden)).astype(np.float32)
-    for (a_ids, _), (b_ids, _) in zip(ours.top(hidden, 1), theirs.top(hidden, 1)):
-        np.testing.assert_array_equal(a_ids, b_ids)  # the same first choice over the full vocabulary
 
 
 def test_the_cli_exports_a_tree_target_and_a_head_and_generates_the_targets_text(tmp_path, model_dir, capsys):

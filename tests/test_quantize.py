@@ -1,4 +1,5 @@
-"""quantize(): its artifacts (external data, engine bytes, self-drafts), their accuracy, and bad input refused."""
+"""quantize(): its artifacts (external data, engine bytes), their accuracy, and bad input refused. The INT4
+self-draft built from it: test_self_draft.py."""
 
 from __future__ import annotations
 
@@ -250,35 +251,3 @@ def test_engine_bytes_are_at_most_the_exports_plus_one_percent(exported, quantiz
         engines.append(build(src, src.parent / "bytes-unfused", fuse_qdq=False))
     for engine in engines:
         assert stored(engine) <= 1.01 * stored(src), (engine, stored(engine), stored(src))
-
-
-@pytest.mark.parametrize("arch", ["phi3", "gemma2", "gemma3"])
-def test_new_families_speculate_losslessly_with_their_int4_self_draft(exported, tmp_path, arch):
-    target = build(exported(arch), tmp_path / "target")
-    prompts = ["def add(a, b):", "The quick brown fox"]
-    expected = [r.token_ids for r in Generator(target).generate(prompts, max_new_tokens=24)]
-    out = Generator(target, draft="self", num_draft_tokens=3, k_policy="fixed").generate(prompts, max_new_tokens=24)
-    assert [r.token_ids for r in out] == expected and out.stats.accepted > 0
-
-
-def test_self_draft_is_built_once_and_greedy_equals_the_target(exported, tmp_path):
-    from trtspec import self_draft
-    from trtspec.runtime.drafters.self_draft import block_for
-
-    target = build(exported("llama"), tmp_path / "target")
-    prompts = ["def add(a, b):", "The quick brown fox"]
-    expected = [r.token_ids for r in Generator(target).generate(prompts, max_new_tokens=24)]
-    spec = Generator(target, draft="self", num_draft_tokens=3, k_policy="fixed")
-    out = spec.generate(prompts, max_new_tokens=24)
-    assert [r.token_ids for r in out] == expected
-    assert out.stats.accepted > 0
-    made = spec.draft.path
-    assert made == tmp_path / "target-self-int4-gptq"
-    manifest = json.loads((made / "manifest.json").read_text())
-    assert manifest["quantization"]["mode"] == "int4-gptq" and manifest["build"]["rewrites"]["tied_int4"] == 1
-    # the largest block dividing the hidden size (the tied table takes whole blocks; the tiny model's is 64)
-    assert manifest["quantization"]["block_size"] == block_for(exported("llama")) == 64
-    stamp = (made / "model.onnx").stat().st_mtime_ns
-    assert self_draft(target) == made and (made / "model.onnx").stat().st_mtime_ns == stamp  # reused
-    with pytest.raises(ArtifactError, match="already quantized"):
-        self_draft(made)

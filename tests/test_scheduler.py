@@ -1,52 +1,27 @@
-"""Continuous batching: requests join and leave a running batch, and each gets exactly its output alone."""
+"""Continuous batching (runtime/scheduler.py): requests join and leave a running batch, and each gets exactly its
+output alone."""
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import threading
 import time
 
-import numpy as np
 import pytest
 
-from conftest import WrappedEngine
+from conftest import ARCH, BATCHING, WrappedEngine, make_prompt
 from trtspec import Generator, Scheduler, load_engine
 from trtspec.engines.base import lease
-
-ARCH = "llama-gqa-rope3"
-OPTIONS = {"max_seq_len": 256, "max_batch": 4}
-WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
-
-
-def make_prompt(i: int, words: int) -> str:
-    rng = np.random.default_rng(i)
-    return " ".join(rng.choice(WORDS, size=words))
 
 
 @pytest.fixture(scope="module")
 def target(exported):
-    return load_engine(exported(ARCH, **OPTIONS))
+    return load_engine(exported(ARCH, **BATCHING))
 
 
 @pytest.fixture(scope="module")
 def draft(perturbed_export):
-    return load_engine(perturbed_export(ARCH, 0.3, **OPTIONS))
-
-
-@pytest.fixture(scope="module")
-def alone(target):
-    """A request's output run alone: plain target decoding, one request at a time."""
-    gen = Generator(target)
-    cache = {}
-
-    def get(prompt, **params):
-        key = (prompt, repr(sorted(params.items())))
-        if key not in cache:
-            cache[key] = gen.generate(prompt, **params)
-        return cache[key]
-
-    return get
+    return load_engine(perturbed_export(ARCH, 0.3, **BATCHING))
 
 
 def _workload():
@@ -144,20 +119,6 @@ def _yields_to_an_arrival_and_a_cancel(scheduler, slow, alone):
     cancelled = handle.result(timeout=60)
     assert cancelled.finish_reason == "cancelled" and 0 < len(cancelled.token_ids) < 200
     assert cancelled.token_ids == alone(make_prompt(4, 10), max_new_tokens=200).token_ids[: len(cancelled.token_ids)]
-
-
-def test_a_lone_greedy_draft_chain_in_the_engines_loop_proposes_what_the_generic_loop_does(target, draft, alone):
-    # one greedy row: the draft's k - 1 one-token calls run as greedy_steps; behind a wrapper they run as
-    # forward calls, round by round. Same drafts, so the same acceptance, call counts and output.
-    calls = []
-    wrapped = WrappedEngine(draft, lambda ids, pos, row: calls.append(ids.shape))
-    prompt = make_prompt(8, 6)
-    fast = Generator(target, draft, num_draft_tokens=4, k_policy="fixed").generate([prompt], max_new_tokens=80)
-    slow = Generator(target, wrapped, num_draft_tokens=4, k_policy="fixed").generate([prompt], max_new_tokens=80)
-    assert fast[0].token_ids == slow[0].token_ids == alone(prompt, max_new_tokens=80).token_ids
-    for name in ("proposed", "accepted", "rounds", "target_calls", "accepted_histogram", "draft_calls"):
-        assert getattr(fast.stats, name) == getattr(slow.stats, name), name
-    assert slow.stats.draft_calls == len(calls) and 0 < fast.stats.accepted < fast.stats.proposed
 
 
 def test_a_lone_greedy_row_with_a_draft_runs_its_rounds_in_a_loop_of_its_own(target, draft, alone):
@@ -319,53 +280,6 @@ def test_a_long_prompt_is_read_in_chunks_while_other_rows_keep_emitting(target, 
     assert all(b > a for a, b in zip(between, between[1:]))
 
 
-def test_async_api_many_coroutines_and_a_consumer_that_leaves(target, draft, alone):
-    scheduler = Scheduler(target, draft, num_draft_tokens=3)
-    requests = [(make_prompt(40 + i, 2 + 3 * i), 10 + 9 * i) for i in range(6)]
-
-    async def collect(prompt, n):
-        return "".join([d async for d in scheduler.astream(prompt, max_new_tokens=n)])
-
-    async def leave_early():
-        async for _ in scheduler.astream(make_prompt(50, 5), max_new_tokens=200):
-            break  # the consumer goes away: the request is cancelled
-
-    async def main():
-        texts = await asyncio.gather(*(collect(p, n) for p, n in requests), leave_early())
-        result = await scheduler.agenerate(requests[0][0], max_new_tokens=requests[0][1])
-        return texts[:-1], result
-
-    texts, result = asyncio.run(main())
-    assert texts == [alone(p, max_new_tokens=n).text for p, n in requests]
-    assert result.token_ids == alone(requests[0][0], max_new_tokens=requests[0][1]).token_ids
-    deadline = time.time() + 10
-    while (scheduler.stats().requests_cancelled < 1 or scheduler.stats().running) and time.time() < deadline:
-        time.sleep(0.01)
-    assert scheduler.stats().requests_cancelled == 1 and scheduler.stats().running == 0
-
-
-@pytest.mark.parametrize(
-    "params, error, message",
-    [
-        ({"temperature": -1.0}, ValueError, "temperature must be a finite number >= 0"),
-        ({"max_new_tokens": 0}, ValueError, "max_new_tokens must be an integer >= 1"),
-        ({"num_draft_tokens": 300}, ValueError, "num_draft_tokens=300 is not supported"),
-        ({"priority": "high"}, ValueError, "priority must be an integer"),
-        ({"seed": 1.5, "temperature": 1.0}, ValueError, "seed must be an integer"),
-        ({"prompt": "word " * 300}, Exception, "prompt has .* tokens but the engine holds 256 positions"),
-    ],
-)
-def test_bad_requests_are_refused_before_queuing_and_disturb_no_other(target, draft, alone, params, error, message):
-    scheduler = Scheduler(target, draft, num_draft_tokens=2)
-    running = scheduler.submit(make_prompt(60, 6), max_new_tokens=60)
-    params = dict(params)
-    prompt = params.pop("prompt", "x")
-    with pytest.raises(error, match=message):
-        scheduler.submit(prompt, **params)
-    assert running.result(timeout=60).token_ids == alone(make_prompt(60, 6), max_new_tokens=60).token_ids
-    assert scheduler.stats().requests_finished == 1
-
-
 def test_an_engine_failure_fails_the_requests_in_flight_and_the_scheduler_keeps_serving(target, alone):
     calls = []
 
@@ -383,31 +297,6 @@ def test_an_engine_failure_fails_the_requests_in_flight_and_the_scheduler_keeps_
     ok = scheduler.submit(make_prompt(72, 5), max_new_tokens=20).result(timeout=60)
     assert ok.token_ids == alone(make_prompt(72, 5), max_new_tokens=20).token_ids
     assert scheduler.stats().requests_failed == 2
-
-
-@pytest.mark.parametrize("call", [1, 4, 9])  # its first token, a draft position, later ones (drafted or verified)
-def test_a_request_whose_own_processing_raises_fails_alone(target, draft, alone, call):
-    from trtspec.runtime.request import RequestFailedError
-
-    scheduler = Scheduler(target, draft, num_draft_tokens=3, k_policy="fixed")
-    prompts = [make_prompt(80 + i, 6) for i in range(3)]
-    with lease(target):  # nothing runs until the culprit is rigged
-        victims = scheduler.submit_many(prompts, [{"max_new_tokens": 40}] * 3)
-        culprit = scheduler.submit(make_prompt(90, 6), max_new_tokens=40, logit_bias={5: 1.0})
-        processor = culprit._request.sampler.processor
-        apply, calls = processor.apply, []
-
-        def failing(*args, **kwargs):  # its logits processing raises at its call-th use
-            calls.append(1)
-            if len(calls) == call:
-                raise FloatingPointError("simulated fault in one request")
-            return apply(*args, **kwargs)
-
-        processor.apply = failing
-    with pytest.raises(RequestFailedError, match="simulated fault in one request"):
-        culprit.result(timeout=60)
-    assert [h.result(timeout=60).token_ids for h in victims] == [alone(p, max_new_tokens=40).token_ids for p in prompts]
-    assert scheduler.stats().requests_failed == 1
 
 
 def test_a_request_whose_sink_raises_is_cancelled_alone(target, draft, alone):
@@ -441,32 +330,6 @@ def test_a_stream_left_early_is_cancelled(target, alone):
     # the generator still serves the next request correctly
     want = alone(make_prompt(81, 4), max_new_tokens=12).token_ids
     assert gen.generate(make_prompt(81, 4), max_new_tokens=12).token_ids == want
-
-
-def test_warm_up_calls_every_engine_at_its_widest_and_leaves_outputs_exact(target, draft, alone):
-    """warm_up (the server's, before requests come) calls each engine once with every row and its widest call,
-    writing slots no request holds: batched speculative outputs afterwards equal each request's target-only
-    output. While a request runs it does nothing."""
-    calls = []
-
-    def record(ids, pos, first_row):
-        calls.append(ids.shape)
-        time.sleep(0.002)  # (a request lasts long enough to ask warm_up while it runs)
-
-    scheduler = Scheduler(WrappedEngine(target, record), WrappedEngine(draft, record), num_draft_tokens=3)
-    assert scheduler.warm_up()
-    assert calls == [(4, 32), (4, 32)]
-    prompts = [make_prompt(90 + i, 6 + 3 * i) for i in range(4)]
-    outs = [h.result() for h in scheduler.submit_many(prompts, [{"max_new_tokens": 20}] * 4)]
-    assert [o.token_ids for o in outs] == [alone(p, max_new_tokens=20).token_ids for p in prompts]
-    handle = scheduler.submit(make_prompt(99, 40), max_new_tokens=150)
-    while scheduler.stats().running == 0:
-        time.sleep(0.001)
-    calls.clear()
-    assert scheduler.warm_up() is False and handle.result().finish_reason == "length"
-    assert (4, 32) not in calls
-    assert handle.result().token_ids == alone(make_prompt(99, 40), max_new_tokens=150).token_ids
-    scheduler.close()
 
 
 def test_the_scheduler_plans_and_the_worker_makes_every_engine_call():

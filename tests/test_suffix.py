@@ -1,4 +1,5 @@
-"""Suffix decoding: proposals from the row's own text and earlier outputs, trees best-first, lossless output."""
+"""Suffix decoding (runtime/drafters/suffix.py): proposals from the row's own text and earlier outputs, trees
+best-first, lossless output. The text and the shared cache it drafts from: test_suffix_text.py."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import numpy as np
 import pytest
 
 from trtspec import Generator, Scheduler, load_engine
-from trtspec.runtime.drafters.suffix import _PROBE_EVERY, MAX_OCCURRENCES, SuffixCache, SuffixDrafter
+from trtspec.runtime.drafters.suffix import _PROBE_EVERY, SuffixDrafter
 
 ARCH = "llama-gqa-rope3"
 PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add(a, b):", "The quick brown fox jumps over the lazy dog. The quick",
@@ -46,29 +47,6 @@ def test_min_score_cuts_rare_continuations():
     history = [9, 1, 2, 3, 9, 1, 2, 3, 9, 1, 2, 3, 9, 1, 2, 4, 9, 1, 2]  # after (9, 1, 2): 3 (3/4), 4 (1/4)
     p = propose(drafter, [history], 1)
     assert p.drafts[0, : p.counts[0]].tolist() == [3]
-
-
-def test_the_shared_cache_proposes_an_earlier_output_and_forgets_the_oldest():
-    cache = SuffixCache(max_tokens=12)
-    cache.add([10, 11, 12, 13, 14, 15])
-    drafter = SuffixDrafter(1, cache=cache)
-    assert propose(drafter, [[99, 11, 12]], 3).drafts[0].tolist() == [13, 14, 15]
-    cache.add([20, 21, 22, 23, 24, 25, 26])  # 13 tokens > 12: the first output goes
-    assert cache.tokens == 7
-    drafter = SuffixDrafter(1, cache=cache)
-    assert propose(drafter, [[99, 11, 12]], 3).counts.tolist() == [0]
-    assert propose(drafter, [[99, 11, 12, 21, 22]], 2).drafts[0].tolist() == [23, 24]
-
-
-def test_a_cached_continuation_ends_where_its_output_ended():
-    cache = SuffixCache()
-    cache.add([10, 11, 12])
-    cache.add([20, 21, 22, 23])
-    drafter = SuffixDrafter(1, cache=cache)
-    p = propose(drafter, [[5, 11, 12]], 4)  # (10, 11, 12) was a whole output: nothing followed it
-    assert p.counts.tolist() == [0]
-    p = propose(SuffixDrafter(1, cache=cache), [[5, 10, 11]], 4)
-    assert p.drafts[0, : p.counts[0]].tolist() == [12]  # not 12 and then the next output's 20, 21
 
 
 def test_the_round_shape_pays_for_its_verify_call():
@@ -143,16 +121,6 @@ def test_a_round_deeper_than_any_before_is_proposed_and_calibrated():
     assert p.drafts[0, : p.counts[0]].tolist() == list(range(4, 34))
     drafter.accepted(np.array([len(history) + 30]))
     assert drafter.calibration(30, 8) > 1.0 and drafter.calibration(31, 8) == 1.0
-
-
-def test_occurrences_are_the_latest_ones():
-    drafter = SuffixDrafter(1, min_score=0.0)
-    history = []
-    for follower in range(MAX_OCCURRENCES + 4):
-        history += [1, 2, 100 + follower]
-    p = propose(drafter, [history + [1, 2]], 1)
-    # every follower seen once: the latest occurrence wins the tie
-    assert p.drafts[0, 0] == 100 + MAX_OCCURRENCES + 3
 
 
 def test_rows_move_with_their_index_and_a_new_request_starts_empty():

@@ -1,0 +1,95 @@
+"""The caller's side of a Scheduler (runtime/submission.py): requests checked before they are queued, the async
+API, and warm-up."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from conftest import ARCH, BATCHING, WrappedEngine, make_prompt
+from trtspec import Scheduler, load_engine
+
+
+@pytest.fixture(scope="module")
+def target(exported):
+    return load_engine(exported(ARCH, **BATCHING))
+
+
+@pytest.fixture(scope="module")
+def draft(perturbed_export):
+    return load_engine(perturbed_export(ARCH, 0.3, **BATCHING))
+
+
+def test_async_api_many_coroutines_and_a_consumer_that_leaves(target, draft, alone):
+    scheduler = Scheduler(target, draft, num_draft_tokens=3)
+    requests = [(make_prompt(40 + i, 2 + 3 * i), 10 + 9 * i) for i in range(6)]
+
+    async def collect(prompt, n):
+        return "".join([d async for d in scheduler.astream(prompt, max_new_tokens=n)])
+
+    async def leave_early():
+        async for _ in scheduler.astream(make_prompt(50, 5), max_new_tokens=200):
+            break  # the consumer goes away: the request is cancelled
+
+    async def main():
+        texts = await asyncio.gather(*(collect(p, n) for p, n in requests), leave_early())
+        result = await scheduler.agenerate(requests[0][0], max_new_tokens=requests[0][1])
+        return texts[:-1], result
+
+    texts, result = asyncio.run(main())
+    assert texts == [alone(p, max_new_tokens=n).text for p, n in requests]
+    assert result.token_ids == alone(requests[0][0], max_new_tokens=requests[0][1]).token_ids
+    deadline = time.time() + 10
+    while (scheduler.stats().requests_cancelled < 1 or scheduler.stats().running) and time.time() < deadline:
+        time.sleep(0.01)
+    assert scheduler.stats().requests_cancelled == 1 and scheduler.stats().running == 0
+
+
+@pytest.mark.parametrize(
+    "params, error, message",
+    [
+        ({"temperature": -1.0}, ValueError, "temperature must be a finite number >= 0"),
+        ({"max_new_tokens": 0}, ValueError, "max_new_tokens must be an integer >= 1"),
+        ({"num_draft_tokens": 300}, ValueError, "num_draft_tokens=300 is not supported"),
+        ({"priority": "high"}, ValueError, "priority must be an integer"),
+        ({"seed": 1.5, "temperature": 1.0}, ValueError, "seed must be an integer"),
+        ({"prompt": "word " * 300}, Exception, "prompt has .* tokens but the engine holds 256 positions"),
+    ],
+)
+def test_bad_requests_are_refused_before_queuing_and_disturb_no_other(target, draft, alone, params, error, message):
+    scheduler = Scheduler(target, draft, num_draft_tokens=2)
+    running = scheduler.submit(make_prompt(60, 6), max_new_tokens=60)
+    params = dict(params)
+    prompt = params.pop("prompt", "x")
+    with pytest.raises(error, match=message):
+        scheduler.submit(prompt, **params)
+    assert running.result(timeout=60).token_ids == alone(make_prompt(60, 6), max_new_tokens=60).token_ids
+    assert scheduler.stats().requests_finished == 1
+
+
+def test_warm_up_calls_every_engine_at_its_widest_and_leaves_outputs_exact(target, draft, alone):
+    """warm_up (the server's, before requests come) calls each engine once with every row and its widest call,
+    writing slots no request holds: batched speculative outputs afterwards equal each request's target-only
+    output. While a request runs it does nothing."""
+    calls = []
+
+    def record(ids, pos, first_row):
+        calls.append(ids.shape)
+        time.sleep(0.002)  # (a request lasts long enough to ask warm_up while it runs)
+
+    scheduler = Scheduler(WrappedEngine(target, record), WrappedEngine(draft, record), num_draft_tokens=3)
+    assert scheduler.warm_up()
+    assert calls == [(4, 32), (4, 32)]
+    prompts = [make_prompt(90 + i, 6 + 3 * i) for i in range(4)]
+    outs = [h.result() for h in scheduler.submit_many(prompts, [{"max_new_tokens": 20}] * 4)]
+    assert [o.token_ids for o in outs] == [alone(p, max_new_tokens=20).token_ids for p in prompts]
+    handle = scheduler.submit(make_prompt(99, 40), max_new_tokens=150)
+    while scheduler.stats().running == 0:
+        time.sleep(0.001)
+    calls.clear()
+    assert scheduler.warm_up() is False and handle.result().finish_reason == "length"
+    assert (4, 32) not in calls
+    assert handle.result().token_ids == alone(make_prompt(99, 40), max_new_tokens=150).token_ids
+    scheduler.close()
