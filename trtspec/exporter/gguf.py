@@ -25,7 +25,10 @@ types (IQ*, Q2_K, Q3_K) are not kept: the build quantizes their float weights to
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
+import os
 from pathlib import Path
 
 import numpy as np
@@ -66,14 +69,49 @@ def hf_source(path) -> tuple[Path, dict]:
 
 def _reader(path: Path):
     try:
-        import gguf
+        import gguf  # noqa: F401
     except ImportError:
         raise UnsupportedModelError("reading a GGUF file needs the gguf and accelerate packages: "
                                     "pip install 'trtspec[gguf]'") from None
     try:
-        return gguf.GGUFReader(path)
+        return _parsed(path)
     except Exception as e:  # the reader raises ValueError/struct.error/IndexError on a foreign or cut file
         raise UnsupportedModelError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
+
+
+_PARSED: dict = {}  # (path, mtime, size) -> its GGUFReader: the last file read
+_GGUF: dict = {}  # gguf's own GGUFReader and get_tensor_name_map, while _one_parse() stands in for them
+
+
+def _parsed(path):
+    """One GGUFReader per file (and version of it): parsing the metadata of a 49k-token vocabulary takes seconds, and
+    one load asks for it six times (transformers' config, tokenizer and model, our description and tensors)."""
+    import gguf
+
+    st = os.stat(path)
+    key = (str(Path(path).resolve()), st.st_mtime_ns, st.st_size)
+    if key not in _PARSED:
+        _PARSED.clear()
+        _PARSED[key] = _GGUF.get("GGUFReader", gguf.GGUFReader)(path)
+    return _PARSED[key]
+
+
+@contextlib.contextmanager
+def _one_parse():
+    """Inside, gguf.GGUFReader is _parsed and gguf.get_tensor_name_map remembers its maps: transformers' GGUF loading
+    constructs a reader for each of the config, the tokenizer and the weights, and a name map for every module."""
+    import gguf
+
+    if _GGUF:  # (already inside)
+        yield
+        return
+    _GGUF.update(GGUFReader=gguf.GGUFReader, get_tensor_name_map=gguf.get_tensor_name_map)
+    gguf.GGUFReader = _parsed
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=4)(_GGUF["get_tensor_name_map"])
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = _GGUF.pop("GGUFReader"), _GGUF.pop("get_tensor_name_map")
 
 
 def describe(path: Path) -> dict:
@@ -96,6 +134,14 @@ def load(path: Path, dtype: str):
     except ImportError:
         raise UnsupportedModelError("reading a GGUF file needs the gguf and accelerate packages: "
                                     "pip install 'trtspec[gguf]'") from None
+    with _one_parse():
+        return _load(path, dtype)
+
+
+def _load(path: Path, dtype: str):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
     info = describe(path)
     folder, name = path.parent, path.name
     try:
@@ -169,7 +215,8 @@ def tensors_by_hf_name(path: Path, hf) -> dict:
     """{the HF parameter name a tensor of the file loads into: the file's tensor}."""
     from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
 
-    to_hf = get_gguf_hf_weights_map(hf, TensorProcessor())
+    with _one_parse():
+        to_hf = get_gguf_hf_weights_map(hf, TensorProcessor())
     return {to_hf.get(t.name): t for t in _reader(path).tensors}
 
 
