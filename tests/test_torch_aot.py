@@ -120,13 +120,16 @@ def test_an_engine_whose_kernels_cannot_be_built_is_refused_with_the_fix(gguf, t
     assert "BackendUnavailableError" in run.stderr and "Install a C++ compiler" in run.stderr, run.stderr
 
 
-def test_an_engine_of_another_torch_is_refused(gguf, tmp_path):
+@pytest.mark.parametrize("key,value,message", [("torch", "1.0.0", "runs only on the torch that built it"),
+                                               ("cpu_isa", "neon", "which this CPU does not run")])
+def test_an_engine_of_another_torch_or_cpu_is_refused(gguf, tmp_path, key, value, message):
     copy = tmp_path / "engine"
     shutil.copytree(gguf["int8"], copy)
     manifest = json.loads((copy / "manifest.json").read_text())
-    manifest["build"]["torch"] = "1.0.0"
+    assert manifest["build"][key]  # (recorded at build)
+    manifest["build"][key] = value
     (copy / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(ArtifactError, match="runs only on the torch that built it"):
+    with pytest.raises(ArtifactError, match=message):
         load_engine(copy)
 
 

@@ -48,6 +48,14 @@ def kernel_schema() -> str:
     return str(torch.ops.trtspec.gguf_linear.default._schema)
 
 
+def cpu_isa(supported: bool = False):
+    """The vector instruction set inductor compiles for on this CPU (e.g. "avx512 avx512_vnni"); ``supported``:
+    every one this CPU runs."""
+    from torch._inductor import cpu_vec_isa
+
+    return [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()] if supported else str(cpu_vec_isa.pick_vec_isa())
+
+
 def require_native_kernels(what: str) -> None:
     """Load trtspec's compiled GGUF kernels, or refuse ``what`` with the reason and the fix."""
     from .. import kernels
@@ -77,6 +85,10 @@ class TorchAOTEngine(CacheRows):
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise BackendUnavailableError(f"{path} was built for CUDA and torch sees no GPU here; build it with "
                                           "`trtspec build --backend torch --device cpu`")
+        if build.get("cpu_isa") and build["cpu_isa"] not in cpu_isa(supported=True):
+            raise ArtifactError(f"{path} was compiled for {build['cpu_isa']} instructions, which this CPU does not run "
+                                f"({', '.join(cpu_isa(supported=True)) or 'none found'}); build it on this machine "
+                                "with `trtspec build --backend torch`")
         if build.get("kernel_schema"):
             require_native_kernels(str(path))
             if kernel_schema() != build["kernel_schema"]:

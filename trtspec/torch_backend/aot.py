@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..engines.torch_aot import CACHE_PAD, LIVE_STEP, PACKAGE, kernel_schema, require_native_kernels
+from ..engines.torch_aot import CACHE_PAD, LIVE_STEP, PACKAGE, cpu_isa, kernel_schema, require_native_kernels
 from ..exporter.contract import max_call_tokens
 from ..manifest import ENGINE_FORMAT, atomic_artifact, carry_files, export_source, versions
 from .cached_step import split_outputs
@@ -101,6 +101,8 @@ def build_torch(export_dir: Path, export_manifest: dict, out_dir: Path, *, weigh
     model = source.manifest["model"]
     build = {"weights": weights, "int8_activations": int8_activations, "rowwise": int8_activations,
              "device": device, "torch": torch.__version__}
+    if device == "cpu":  # the vector instructions inductor compiles for: the machine's best
+        build["cpu_isa"] = cpu_isa()
     if report is not None:
         build["gguf"] = {"kernels": len(report["kernels"]), "float": report["float"]}
         build["kernel_schema"] = kernel_schema()

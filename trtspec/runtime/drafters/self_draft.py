@@ -25,6 +25,8 @@ from ...manifest import EXPORT_FORMAT, MANIFEST, read_manifest, sha256_file
 SELF = "self"
 SELF_DRAFT_MODE = "int4-gptq"
 SELF_DRAFT_BLOCK_SIZE = None  # block_for the export: 128 where it divides the hidden size
+# an export of a GGUF file drafts with the file's own blocks (its onnxruntime build with int8 activations)
+GGUF_SELF_DRAFT = "gguf-blocks"
 log = logging.getLogger("trtspec.self_draft")
 
 
@@ -64,6 +66,8 @@ def block_for(export_dir: Path) -> int:
 def self_draft(target, out_dir: str | os.PathLike | None = None, *, mode: str = SELF_DRAFT_MODE,
                block_size: int | None = SELF_DRAFT_BLOCK_SIZE, calib_samples: int | None = None) -> Path:
     """The INT4 onnxruntime engine of ``target``'s own export (built if missing or stale); returns its directory.
+    For the float build of a GGUF file's export, the draft is the file's own blocks (``GGUF_SELF_DRAFT``: the
+    export's onnxruntime build with int8 activations); a target that already runs those blocks is refused.
 
     ``target``: an engine or export directory, or a loaded engine. ``out_dir`` defaults to
     ``<target>-self-<mode>`` beside it. ``block_size`` None: ``block_for`` the export.
@@ -73,11 +77,20 @@ def self_draft(target, out_dir: str | os.PathLike | None = None, *, mode: str = 
 
     target_dir = Path(getattr(target, "path", target))
     manifest = getattr(target, "manifest", None) or read_manifest(target_dir)
-    if manifest.get("quantization"):
-        raise ArtifactError(f"{target_dir} is already quantized ({manifest['quantization']['mode']}); --draft self "
-                            "drafts a float target with its INT4 build")
+    quantized = (manifest.get("quantization") or {}).get("mode")
+    if quantized and quantized != "gguf":  # (a GGUF file's own blocks: below)
+        raise ArtifactError(f"{target_dir} is already quantized ({quantized}); --draft self drafts a float target "
+                            "with its INT4 build")
     export_dir = _export_of(target_dir, manifest)
-    if block_size is None:
+    gguf = "gguf" in read_manifest(export_dir)
+    if gguf:
+        if manifest["format"] != EXPORT_FORMAT and manifest.get("build", {}).get("weights") != "float":
+            raise ArtifactError(
+                f"{target_dir} runs its GGUF file's own blocks, which are what --draft self would draft with: the "
+                "draft would be the target. Draft with --drafter suffix or prompt_lookup (no model), or pass a "
+                "smaller draft model with --draft PATH; --draft self drafts the float build (--weights float)")
+        mode, block_size = GGUF_SELF_DRAFT, None  # the file's own blocks, as the onnxruntime build runs them
+    elif block_size is None:
         block_size = block_for(export_dir)
     out = Path(out_dir) if out_dir is not None else target_dir.with_name(f"{target_dir.name}-self-{mode}")
     stamp = {"export_manifest_sha256": sha256_file(export_dir / MANIFEST), "mode": mode, "block_size": block_size}
@@ -92,9 +105,12 @@ def self_draft(target, out_dir: str | os.PathLike | None = None, *, mode: str = 
              target_dir, mode, export_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".{out.name}-", dir=out.parent) as tmp:
-        quantized = quantize(export_dir, Path(tmp) / "export", mode=mode, block_size=block_size,
-                             calib_samples=calib_samples, quantize_lm_head=True)
-        built = build(quantized, Path(tmp) / "engine")
+        if gguf:
+            built = build(export_dir, Path(tmp) / "engine", weights="gguf", int8_activations=True)
+        else:
+            quantized = quantize(export_dir, Path(tmp) / "export", mode=mode, block_size=block_size,
+                                 calib_samples=calib_samples, quantize_lm_head=True)
+            built = build(quantized, Path(tmp) / "engine")
         manifest_path = built / MANIFEST
         engine_manifest = json.loads(manifest_path.read_text())
         engine_manifest["self_draft"] = stamp
