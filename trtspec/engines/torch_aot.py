@@ -67,6 +67,20 @@ def require_native_kernels(what: str) -> None:
             "TRTSPEC_CXX at one, then load it again; or use an onnxruntime engine of the same export")
 
 
+def release_openmp_workers() -> None:
+    """Let the calling thread's idle OpenMP workers exit (OpenMP 5's omp_pause_resource_all, in the libgomp torch
+    loaded). libgomp keeps a pool of workers per thread that ran parallel work; while the process holds more of them
+    than it has CPUs, every pool spins only briefly before sleeping, and each of a call's ~500 parallel regions then
+    pays a wake-up: a decode call from the scheduler's thread took 15.5 ms against 10.3 from the thread that loaded
+    the engine. Loading makes the loading thread a pool; the engine's calls come from the scheduler's."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libgomp.so.1").omp_pause_resource_all(1)  # omp_pause_soft
+    except (OSError, AttributeError):  # another OpenMP runtime, or none: nothing to release
+        pass
+
+
 class TorchAOTEngine(CacheRows):
     """The engine protocol (engines/base.py) over an AOTInductor package. Not thread-safe (engines/base.py)."""
 
@@ -111,6 +125,7 @@ class TorchAOTEngine(CacheRows):
                         for n in model["cache_slots"] for _ in (0, 1)]
         self._slots = torch.arange(self.max_seq_len, device=self.device)
         self._runner = torch._inductor.aoti_load_package(str(self.path / manifest["graph"]))
+        release_openmp_workers()
 
     @property
     def caches(self):
