@@ -163,3 +163,17 @@ def test_float_engine_of_a_tree_export_equals_hf_with_trees_and_features(exporte
     got = engine.forward(tokens, 14 + depth, tree_mask=mask)
     np.testing.assert_allclose(got, ref.forward(tokens, 14 + depth, tree_mask=mask), atol=TOL, rtol=0)
     np.testing.assert_allclose(engine.features, ref.features, atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "phi3"])
+def test_float_engine_equals_hf_on_other_families(arch, exported, model_dir, hf_model, tmp_path):
+    """Qwen3 (q/k norms), Gemma 2 (soft-capped attention: a custom op whose fake result must have the real one's
+    layout, and sliding-window layers) and Phi-3 (one fused qkv projection), built for torch: HF's logits on a
+    prefill chunk, a decode call and a verify-sized call."""
+    engine = load_engine(trtspec.build(exported(arch), tmp_path / "e", backend="torch"))
+    ids = random_ids(12, seed=1)
+    want = hf_logits(hf_model(model_dir(arch)), ids)
+    engine.reset()
+    for start, end in ((0, 7), (7, 8), (8, 12)):
+        got = engine.forward(ids[None, start:end], np.arange(start, end)[None])
+        np.testing.assert_allclose(got[0], want[start:end], atol=TOL, rtol=0)

@@ -27,7 +27,9 @@ def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
 
 @softcapped_attention.register_fake
 def _(q, k, v, mask, scale, softcap):
-    return torch.empty_like(q)
+    # contiguous, as the op's matmul returns it (empty_like would keep q's strides, a transposed view: compiled
+    # graphs then read the result with the wrong strides)
+    return q.new_empty(q.shape)
 
 
 def _attention(q, k, v, mask, scale: float, softcap: float):
