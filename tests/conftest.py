@@ -237,6 +237,22 @@ def make_prompt(i: int, words: int) -> str:
 
 
 @pytest.fixture(scope="module")
+def target(exported):
+    """The continuous-batching tests' target engine, one per module (a module testing other engines defines its own)."""
+    from trtspec import load_engine
+
+    return load_engine(exported(ARCH, **BATCHING))
+
+
+@pytest.fixture(scope="module")
+def draft(perturbed_export):
+    """Their draft: the target's weights perturbed (acceptance well below 1), one per module."""
+    from trtspec import load_engine
+
+    return load_engine(perturbed_export(ARCH, 0.3, **BATCHING))
+
+
+@pytest.fixture(scope="module")
 def alone(target):
     """A request's output run alone: plain target decoding, one request at a time (on the module's ``target``)."""
     from trtspec import Generator

@@ -3,20 +3,9 @@ engine's own loop and proposes what the generic loop of forward calls does."""
 
 from __future__ import annotations
 
-import pytest
 
-from conftest import ARCH, BATCHING, WrappedEngine, make_prompt
-from trtspec import Generator, load_engine
-
-
-@pytest.fixture(scope="module")
-def target(exported):
-    return load_engine(exported(ARCH, **BATCHING))
-
-
-@pytest.fixture(scope="module")
-def draft(perturbed_export):
-    return load_engine(perturbed_export(ARCH, 0.3, **BATCHING))
+from conftest import WrappedEngine, make_prompt
+from trtspec import Generator
 
 
 def test_a_lone_greedy_draft_chain_in_the_engines_loop_proposes_what_the_generic_loop_does(target, draft, alone):

@@ -9,19 +9,9 @@ import time
 
 import pytest
 
-from conftest import ARCH, BATCHING, WrappedEngine, make_prompt
-from trtspec import Generator, Scheduler, load_engine
+from conftest import WrappedEngine, make_prompt
+from trtspec import Generator, Scheduler
 from trtspec.engines.base import lease
-
-
-@pytest.fixture(scope="module")
-def target(exported):
-    return load_engine(exported(ARCH, **BATCHING))
-
-
-@pytest.fixture(scope="module")
-def draft(perturbed_export):
-    return load_engine(perturbed_export(ARCH, 0.3, **BATCHING))
 
 
 def _workload():

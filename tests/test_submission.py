@@ -8,18 +8,8 @@ import time
 
 import pytest
 
-from conftest import ARCH, BATCHING, WrappedEngine, make_prompt
-from trtspec import Scheduler, load_engine
-
-
-@pytest.fixture(scope="module")
-def target(exported):
-    return load_engine(exported(ARCH, **BATCHING))
-
-
-@pytest.fixture(scope="module")
-def draft(perturbed_export):
-    return load_engine(perturbed_export(ARCH, 0.3, **BATCHING))
+from conftest import WrappedEngine, make_prompt
+from trtspec import Scheduler
 
 
 def test_async_api_many_coroutines_and_a_consumer_that_leaves(target, draft, alone):

@@ -5,19 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import ARCH, BATCHING, make_prompt
-from trtspec import Scheduler, load_engine
+from conftest import make_prompt
+from trtspec import Scheduler
 from trtspec.engines.base import lease
-
-
-@pytest.fixture(scope="module")
-def target(exported):
-    return load_engine(exported(ARCH, **BATCHING))
-
-
-@pytest.fixture(scope="module")
-def draft(perturbed_export):
-    return load_engine(perturbed_export(ARCH, 0.3, **BATCHING))
 
 
 @pytest.mark.parametrize("call", [1, 4, 9])  # its first token, a draft position, later ones (drafted or verified)

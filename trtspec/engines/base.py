@@ -261,6 +261,19 @@ class CacheRows:
                 self._rings.reset()
 
 
+
+class TorchCacheRows(CacheRows):
+    """CacheRows over torch tensors on ``self.device`` (the torch engines: compiled, or built ahead of time)."""
+
+    @staticmethod
+    def _copied(view):
+        return view.clone()
+
+    def _moves(self, indices):
+        import torch
+
+        return torch.from_numpy(indices).to(self.device)
+
 def check_step_inputs(input_ids, position_ids, *, max_batch: int, max_seq_len: int, vocab_size: int,
                       first_row: int = 0, max_call: int | None = None, tree: bool = False):
     """Validate one step call before anything touches the cache; returns C-contiguous int64 arrays.

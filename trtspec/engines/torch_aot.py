@@ -24,7 +24,7 @@ import numpy as np
 
 from ..errors import ArtifactError, BackendUnavailableError
 from ..exporter.contract import max_call_tokens
-from .base import CacheRows, CallGuard, chain_mask, check_call, forward_greedy_steps, ring_rows
+from .base import CallGuard, TorchCacheRows, chain_mask, check_call, forward_greedy_steps, ring_rows
 
 PACKAGE = "step.pt2"
 CACHE_PAD = 1
@@ -81,7 +81,7 @@ def release_openmp_workers() -> None:
         pass
 
 
-class TorchAOTEngine(CacheRows):
+class TorchAOTEngine(TorchCacheRows):
     """The engine protocol (engines/base.py) over an AOTInductor package. Not thread-safe (engines/base.py)."""
 
     backend = "torch"
@@ -161,15 +161,6 @@ class TorchAOTEngine(CacheRows):
     def greedy_steps(self, row: int, token: int, position: int, steps: int, on_token) -> tuple[int, float]:
         return forward_greedy_steps(self, row, token, position, steps, on_token)
 
-    # the cache-row operations: engines/base.CacheRows over this engine's buffers
+    # the cache-row operations: engines/base.TorchCacheRows over this engine's buffers
     def _cache_buffers(self):
         return self._caches
-
-    @staticmethod
-    def _copied(view):
-        return view.clone()
-
-    def _moves(self, indices):
-        import torch
-
-        return torch.from_numpy(indices).to(self.device)

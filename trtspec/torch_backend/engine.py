@@ -19,7 +19,7 @@ import os
 import time
 from pathlib import Path
 
-from ..engines.base import (CacheRows, CallGuard, chain_mask, check_call, check_greedy_steps, forward_greedy_steps,
+from ..engines.base import (CallGuard, TorchCacheRows, chain_mask, check_call, check_greedy_steps, forward_greedy_steps,
                             ring_rows)
 from ..engines.torch_aot import live_length
 from ..exporter.contract import max_call_tokens
@@ -37,7 +37,7 @@ GREEDY_CHUNK = 8
 log = logging.getLogger("trtspec.torch")
 
 
-class TorchEngine(CacheRows):
+class TorchEngine(TorchCacheRows):
     """The engine protocol (engines/base.py) over a compiled torch module; see trtspec.compile().
 
     Not thread-safe (engines/base.py); rows other than [0, B) (``first_row``) run eagerly."""
@@ -153,18 +153,9 @@ class TorchEngine(CacheRows):
                         return done, time.perf_counter() - t0
         return steps, time.perf_counter() - t0
 
-    # the cache-row operations: engines/base.CacheRows over this engine's caches
+    # the cache-row operations: engines/base.TorchCacheRows over this engine's caches
     def _cache_buffers(self):
         return self.caches
-
-    @staticmethod
-    def _copied(view):
-        return view.clone()
-
-    def _moves(self, indices):
-        import torch
-
-        return torch.from_numpy(indices).to(self.device)
 
 
 # torch's cudagraph trees keep their managers in two thread-local attributes of this module
