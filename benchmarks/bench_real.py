@@ -71,6 +71,7 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_gguf_kernels import _cpu  # noqa: E402
 from common import RESULTS, WORK  # noqa: E402
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -726,7 +727,8 @@ def markdown(res: dict) -> str:
     f = lambda x, d=0: "-" if x is None else f"{x:.{d}f}"  # noqa: E731
     identical = lambda a: f"{a['identical']}/{a['of']}"  # noqa: E731
     lines = [f"SmolLM2-135M-Instruct ({GGUF_NAME}), {res['threads']} threads per system, greedy, up to "
-             f"{res['tokens']} new tokens (each stops at its EOS).", ""]
+             f"{res['tokens']} new tokens (each stops at its EOS)."
+             + (f" CPU: {res['cpu']['model']}; ISA: {' '.join(res['cpu']['isa'])}." if res.get("cpu") else ""), ""]
     single = res.get("single")
     if single:
         lines += [f"{single['prompts']} prompts ({single['prompts'] // 2} HumanEval, {single['prompts'] // 2} "
@@ -947,7 +949,7 @@ def main(argv=None):
     log(f"{len(prompts)} prompts, {min(len(p['ids']) for p in prompts)}..{max(len(p['ids']) for p in prompts)} "
         "tokens")
     previous = json.loads(args.out.with_suffix(".json").read_text()) if args.out.with_suffix(".json").is_file() else {}
-    res = {"model": GGUF_NAME, "threads": args.threads, "tokens": args.tokens, "versions": versions(args.llama_bin),
+    res = {"model": GGUF_NAME, "cpu": _cpu(), "threads": args.threads, "tokens": args.tokens, "versions": versions(args.llama_bin),
            "prompt_names": [p["name"] for p in prompts],
            "single": previous.get("single"), "served": previous.get("served")}
     when = time.strftime("%Y-%m-%d %H:%M")

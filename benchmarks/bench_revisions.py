@@ -24,6 +24,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_gguf_kernels import _cpu  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 
@@ -123,8 +126,10 @@ def main(argv=None):
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, check=False)
     (b_name, b), (h_name, h) = speeds.items()
+    cpu = _cpu()
     lines = [f"Decode tok/s, medians of {args.rounds} alternating rounds, {args.threads} threads "
-             f"(`python benchmarks/bench_revisions.py --base {args.base}`).", "",
+             f"(`python benchmarks/bench_revisions.py --base {args.base}`); CPU: {cpu['model']}; ISA: "
+             f"{' '.join(cpu['isa'])}.", "",
              f"| workload | {b_name} | {h_name} | ratio |", "|---|---|---|---|"]
     for config in b:
         before, after = statistics.median(b[config]), statistics.median(h[config])
@@ -136,7 +141,7 @@ def main(argv=None):
     text = "\n".join(lines) + "\n"
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps({"speeds": speeds, "identical": {
+    args.out.with_suffix(".json").write_text(json.dumps({"cpu": cpu, "speeds": speeds, "identical": {
         c: [a == d for a, d in zip(xb[c], xh[c])] for c in xb}}, indent=1) + "\n")
     args.out.with_suffix(".md").write_text(text)
 
