@@ -69,10 +69,11 @@ def test_decoded_blocks_dequantize_as_gguf_does_bit_for_bit(type_name):
     assert np.array_equal(kernels.dequantize(b), expected)
 
 
+@pytest.mark.parametrize("half", [None, False])
 @pytest.mark.parametrize("type_name", kernels.TYPES)
-def test_layout_holds_every_code_scale_and_minimum(type_name):
+def test_layout_holds_every_code_scale_and_minimum(type_name, half):
     _, b = _layer(type_name, n=37)  # a padded last panel
-    back = kernels.unpack(kernels.pack(b))
+    back = kernels.unpack(kernels.pack(b, half_scales=half))
     assert np.array_equal(back.codes, b.codes) and np.array_equal(back.scales, b.scales)
     assert (b.minimums is None) == (back.minimums is None)
     assert b.minimums is None or np.array_equal(back.minimums, b.minimums)
@@ -127,7 +128,28 @@ def test_every_path_and_row_count_gives_each_row_the_same_bits(type_name, int8, 
             assert torch.equal(kernels.linear(x[r:r + 1], layer, int8)[0], expected[r]), (kernel_path, r)
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+LEGACY = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
+
+
+@pytest.mark.parametrize("type_name", LEGACY)
+def test_float16_scales_where_exact_and_the_same_bits_as_float32_ones(type_name, path):
+    """The legacy types' d and m are the file's float16: packed at half the bytes, every path computes the same
+    bits as from float32 scales. A K-quant's d * sc is not a float16 in general, and is refused as one."""
+    _, b = _layer(type_name, n=48)
+    half, full = kernels.pack(b), kernels.pack(b, half_scales=False)
+    assert half.half_scales and not full.half_scales and half.data.size < full.data.size
+    x = torch.from_numpy(_x(17, half.k))
+    for kernel_path in PATHS:
+        kernels.use_path(kernel_path)
+        for int8 in (False, True):
+            assert torch.equal(kernels.linear(x, half, int8), kernels.linear(x, full, int8)), (kernel_path, int8)
+    _, q6 = _layer("Q6_K", n=48)
+    assert not kernels.pack(q6).half_scales
+    with pytest.raises(ValueError, match="not all float16"):
+        kernels.pack(q6, half_scales=True)
+
+
+@pytest.mark.parametrize("type_name", LEGACY)
 def test_odd_shapes_input_not_a_multiple_of_256_output_not_of_the_panel(type_name):
     _, b = _layer(type_name, n=21, k=96)
     layer = kernels.pack(b)
@@ -161,7 +183,8 @@ def test_leading_dimensions_and_bad_arguments():
     with pytest.raises(RuntimeError, match="last dimension must be 512"):
         kernels.linear(torch.zeros(2, 256), layer)
     with pytest.raises(RuntimeError, match="packed holds"):
-        torch.ops.trtspec.gguf_linear(torch.zeros(1, 512), kernels.as_tensor(layer)[:-1], 40, 512, 4, 32, 0, True, False)
+        torch.ops.trtspec.gguf_linear(torch.zeros(1, 512), kernels.as_tensor(layer)[:-1], 40, 512, 4, 32, 0, True,
+                                      layer.half_scales, False)
     with pytest.raises(RuntimeError, match="no path named 'sse9'"):
         kernels.use_path("sse9")
 
@@ -188,6 +211,81 @@ def test_torch_export_traces_the_op_with_its_fake_shapes():
     assert torch.equal(out, 2.0 * torch.from_numpy(int8_model(b, x2.reshape(20, 512).numpy())).reshape(4, 5, 40))
 
 
+# ---- attention, one query row at a time ----------------------------------------------------------------------
+
+def _attention_case(d: int, t: int = 5, s: int = 70, seed: int = 0):
+    """q [2, 6, t, d]; k, v: the first s slots of a larger cache, as the engines cut their caches; a causal mask at
+    each row's own positions, the second row seeing fewer keys."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 6, t, d, generator=g)
+    k = torch.randn(2, 3, s + 30, d, generator=g)[:, :, :s]
+    v = torch.randn(2, 3, s + 30, d, generator=g)[:, :, :s]
+    pos = torch.tensor([[s - t + i for i in range(t)], [10 + i for i in range(t)]])
+    return q, k, v, torch.arange(s) <= pos[:, None, :, None]
+
+
+def _reference_attention(q, k, v, mask, scale, softcap=None):
+    """float64: softmax over the visible keys, key head h // (H / Hkv)."""
+    q, k, v = q.double(), k.double(), v.double()
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    scores = q @ k.transpose(-1, -2) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    return torch.softmax(scores.masked_fill(~mask, float("-inf")), -1) @ v
+
+
+@pytest.mark.parametrize("softcap", [None, 30.0])
+@pytest.mark.parametrize("d", [64, 128, 24, 80])
+def test_attention_equals_float64_softmax_and_each_row_its_own_bits_on_every_path(d, softcap, path):
+    """Head sizes with their accumulators in registers (64, 80, 128) and not (24); grouped heads; a cut cache."""
+    q, k, v, mask = _attention_case(d)
+    np.testing.assert_allclose(kernels.attention(q, k, v, mask, 0.3, softcap).double(),
+                               _reference_attention(q, k, v, mask, 0.3, softcap), rtol=1e-5, atol=2e-6)
+    kernels.use_path("reference")
+    expected = kernels.attention(q, k, v, mask, 0.3, softcap)
+    for kernel_path in PATHS:
+        kernels.use_path(kernel_path)
+        assert torch.equal(kernels.attention(q, k, v, mask, 0.3, softcap), expected), kernel_path
+        for t in (0, 4):  # a row alone: the bits it has among five
+            alone = kernels.attention(q[:, :, t:t + 1], k, v, mask[:, :, t:t + 1], 0.3, softcap)
+            assert torch.equal(alone, expected[:, :, t:t + 1]), (kernel_path, t)
+
+
+def test_attention_long_context_threads_and_a_row_that_sees_nothing():
+    q, k, v, mask = _attention_case(64, t=3, s=1500)
+    with torch.no_grad():
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            one = kernels.attention(q, k, v, mask, 0.125)
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(kernels.attention(q, k, v, mask, 0.125), one)
+    np.testing.assert_allclose(one.double(), _reference_attention(q, k, v, mask, 0.125), rtol=1e-5, atol=2e-6)
+    blind = mask.clone()
+    blind[0, :, 1] = False
+    out = kernels.attention(q, k, v, blind, 0.125)
+    assert torch.isnan(out[0, :, 1]).all() and not torch.isnan(out[0, :, [0, 2]]).any()
+    with pytest.raises(RuntimeError, match="multiple of Hkv"):
+        kernels.attention(q[:, :5], k, v, mask, 0.125)
+
+
+def test_attention_traces_with_torch_export():
+    q, k, v, mask = _attention_case(64)
+
+    class Attention(torch.nn.Module):
+        def forward(self, q, k, v, mask):
+            return kernels.attention(q, k, v, mask, 0.125) + 1.0
+
+    tokens = torch.export.Dim("tokens", min=2, max=64)
+    ep = torch.export.export(Attention(), (q, k, v, mask),
+                             dynamic_shapes=({2: tokens}, None, None, {2: tokens}))
+    assert any(n.target is torch.ops.trtspec.attention_rows.default for n in ep.graph.nodes)
+    q2, _, _, mask2 = _attention_case(64, t=9, seed=4)
+    assert torch.equal(ep.module()(q2, k, v, mask2), kernels.attention(q2, k, v, mask2, 0.125) + 1.0)
+
+
 def test_without_a_compiler_the_op_falls_back_to_torch_with_a_clear_message(tmp_path):
     """TRTSPEC_CXX pointing at no compiler and an empty cache: a warning that says so and how to fix it, and the
     pure-torch op, whose int8 variant is the kernels' bit for bit."""
@@ -203,6 +301,12 @@ with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     y = kernels.linear(torch.from_numpy(x), layer, True).numpy()
     f = kernels.linear(torch.from_numpy(x), layer).numpy()
+    q, k = torch.randn(1, 4, 3, 64), torch.randn(1, 2, 9, 64)
+    mask = torch.arange(9) <= torch.tensor([[6, 7, 8]])[:, None, :, None]
+    a = kernels.attention(q, k, k, mask, 0.125)
+    rep = k.repeat_interleave(2, 1)
+    ref = torch.softmax((q @ rep.transpose(-1, -2) * 0.125).masked_fill(~mask, float("-inf")), -1) @ rep
+print("ATTENTION", float((a - ref).abs().max()))
 print("WARN", " ".join(str(w.message) for w in caught))
 print("STATUS", kernels.status()["backend"], kernels.paths())
 np.save(__import__("sys").argv[1], np.stack([y, f]))
@@ -213,6 +317,7 @@ np.save(__import__("sys").argv[1], np.stack([y, f]))
     assert done.returncode == 0, done.stderr[-2000:]
     assert "could not be built (no C++ compiler at" in done.stdout and "TRTSPEC_CXX" in done.stdout
     assert "STATUS torch ['torch']" in done.stdout
+    assert float(done.stdout.split("ATTENTION ")[1].split()[0]) < 1e-5
     y, f = np.load(tmp_path / "y.npy")
     _, b = _layer("Q5_K")
     x = _x(5, 512)

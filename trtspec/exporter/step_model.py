@@ -59,18 +59,14 @@ class FusedLinear(nn.Module):
 
 
 def rowwise_attention(q, k, v, mask, scale: float, softcap: float | None = None):
-    """SDPA as elementwise products and sums: the same code computes a query row whatever the call's number of rows
-    (a matmul's kernel, and so its order of additions, depends on it), so a row's result is the same bit for bit in
-    a decode call and in a verify call. Inductor fuses it into reductions; eager would hold [B, H, T, S, D].
+    """Attention whose query rows are each computed in an order fixed per row, so a row's result is the same bits
+    in a decode call and in a verify call (SDPA's matmuls order their sums by the call's size): trtspec's
+    attention_rows op (kernels.attention), traced by torch.export and called by the compiled package.
 
     q [B, H, T, D], k/v [B, Hkv, S, D], mask bool [B, 1, T, S] -> [B, H, T, D]"""
-    hkv = k.shape[1]
-    q = q.unflatten(1, (hkv, q.shape[1] // hkv))  # [B, Hkv, G, T, D]: a group of query heads per key head
-    scores = (q[..., None, :] * k[:, :, None, None]).sum(-1) * scale  # [B, Hkv, G, T, S]
-    if softcap:
-        scores = torch.tanh(scores / softcap) * softcap
-    probs = torch.softmax(scores.masked_fill(~mask[:, :, None], float("-inf")), dim=-1)
-    return (probs[..., None] * v[:, :, None, None]).sum(-2).flatten(1, 2)
+    from .. import kernels
+
+    return kernels.attention(q, k, v, mask, scale, softcap)
 
 
 class StepModel(nn.Module):
@@ -83,11 +79,12 @@ class StepModel(nn.Module):
 
     def __init__(self, hf_model: nn.Module, spec: ArchSpec, max_seq_len: int, *, in_place_cache: bool = False,
                  cache_slots: list[int] | None = None, tree: bool = False, hidden_layers: list[int] | None = None,
-                 fuse_projections: bool = False, rowwise_attention: bool = False):
+                 fuse_projections=False, rowwise_attention: bool = False):
         super().__init__()
         self.spec = spec
-        # rowwise_attention: attention as products and sums (rowwise_attention()), not SDPA: each row's result is
-        # the same whatever the call's size (the torch backend's int8-activation builds, which round it)
+        # rowwise_attention: attention one query row at a time (rowwise_attention(): trtspec's attention_rows op),
+        # not SDPA: each row's result is the same whatever the call's size (the torch backend's int8-activation
+        # builds, which round it)
         self.rowwise = rowwise_attention
         # tree: a tree_mask input [B, T, T] (contract.py); hidden_layers: HF hidden_states indices output, concatenated
         self.tree = tree
@@ -139,25 +136,29 @@ class StepModel(nn.Module):
                 self.register_buffer(sin_name, sin[0].to(dtype), persistent=False)
         self.fused = nn.ModuleDict()  # "qkv_{i}", "gate_up_{i}": layer i's projections as one matmul
         if fuse_projections:
-            self._fuse_projections()
+            self._fuse_projections(FusedLinear if fuse_projections is True else fuse_projections)
         self.register_buffer("slots", torch.arange(max_seq_len), persistent=False)
         for n in set(self.cache_slots) - {max_seq_len}:
             self.register_buffer(f"ring_slots_{n}", torch.arange(n), persistent=False)
 
-    def _fuse_projections(self):
+    def _fuse_projections(self, fuse):
         """The torch backend's: q/k/v, and an MLP's gate/up, as one matmul each (their weights move into it).
 
         On a GPU a narrow model's decode step is bound by its kernel count more than by its bytes; one matmul
-        instead of three, and of two, saves three launches a layer. The ONNX export keeps HF's own projections."""
+        instead of three, and of two, saves three launches a layer. The ONNX export keeps HF's own projections.
+        ``fuse(module, names)`` makes the fused module, or returns None to leave those projections as they are
+        (FusedLinear; the GGUF kernels' layers fuse only where they share a block type)."""
         for i, layer in enumerate(self.layers):
             attn = getattr(layer, "self_attn", None)
             if attn is not None and all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj")):
-                self.fused[f"qkv_{i}"] = FusedLinear(attn, ("q_proj", "k_proj", "v_proj"))
+                if (fused := fuse(attn, ("q_proj", "k_proj", "v_proj"))) is not None:
+                    self.fused[f"qkv_{i}"] = fused
             mlp = getattr(layer, "mlp", None)
             # the gated MLP of the llama family (Qwen, Mistral, Gemma): down(act(gate(x)) * up(x))
             if mlp is not None and {n for n, _ in mlp.named_children()} == {"gate_proj", "up_proj", "down_proj",
                                                                               "act_fn"}:
-                self.fused[f"gate_up_{i}"] = FusedLinear(mlp, ("gate_proj", "up_proj"))
+                if (fused := fuse(mlp, ("gate_proj", "up_proj"))) is not None:
+                    self.fused[f"gate_up_{i}"] = fused
 
     def mlp(self, i, layer, x):
         if f"gate_up_{i}" not in self.fused:
@@ -203,9 +204,10 @@ class StepModel(nn.Module):
                 out[key] = (held <= pos) & (held > pos - window) & (held >= 0)
         return out
 
-    def attention(self, i, layer, x, rope, mask, past_key, past_value, writes):
+    def attention(self, i, layer, x, rope, mask, past_key, past_value, writes, live=None):
         # x [B, T, hidden] -> [B, T, hidden], present key/value [B, Hkv, S_max, D]
         # writes: write_indices [B] (the functional write), or {cache length: (rows, slots)} (in place)
+        # live: attend the first `live` slots of a full-length cache, cut after the write (forward)
         spec = self.spec
         # unflatten/flatten, not view(b, t, ...): symbolic sizes would make the exporter read them
         # off a cache input with a Shape node, and the cache input must feed only its TensorScatter.
@@ -240,21 +242,25 @@ class StepModel(nn.Module):
             past_key[rows, :, slots] = k.transpose(1, 2)  # [B, T, Hkv, D] at each row's slots
             past_value[rows, :, slots] = v.transpose(1, 2)
             present_key, present_value = past_key, past_value
+            if live is not None and self.cache_slots[i] == self.max_seq_len:
+                past_key, past_value = past_key[:, :, :live], past_value[:, :, :live]
         elif self.cache_slots[i] < self.max_seq_len:
             present_key = kv_cache_write_ring(past_key, k, writes)
             present_value = kv_cache_write_ring(past_value, v, writes)
         else:
             present_key = kv_cache_write(past_key, k, writes)
             present_value = kv_cache_write(past_value, v, writes)
+        # what attention reads: the written cache (in place: the past buffers, cut to the live slots)
+        keys, values = (past_key, past_value) if self.in_place_cache else (present_key, present_value)
         if self.rowwise:
-            y = rowwise_attention(q, present_key, present_value, mask, self.scalings[i], spec.attn_softcap)
+            y = rowwise_attention(q, keys, values, mask, self.scalings[i], spec.attn_softcap)
         elif spec.attn_softcap:  # Gemma 2: SDPA has no soft-capping; one op exported as Attention(softcap=...)
-            y = softcapped_attention(q, present_key, present_value, mask, self.scalings[i], spec.attn_softcap)
+            y = softcapped_attention(q, keys, values, mask, self.scalings[i], spec.attn_softcap)
         else:
             y = F.scaled_dot_product_attention(
                 q,
-                present_key,
-                present_value,
+                keys,
+                values,
                 attn_mask=mask,
                 scale=self.scalings[i],
                 enable_gqa=spec.num_heads != spec.num_kv_heads,
@@ -262,9 +268,12 @@ class StepModel(nn.Module):
         y = y.transpose(1, 2).flatten(2)
         return out_proj(y), present_key, present_value
 
-    def forward(self, input_ids, position_ids, *past):
+    def forward(self, input_ids, position_ids, *past, live=None):
         # input_ids [B, T] int64, position_ids [B, T] int64, [tree_mask [B, T, T] bool,]
         # past 2L x [B, Hkv, slots_i, D] (slots_i: S_max or a ring)
+        # live (in place only): attention reads the first `live` slots of the full-length caches, cut after the
+        # call's write. Writing through a cut view instead made compiled graphs copy the live slots out and back,
+        # every cache of every layer, a cost that grows with the context.
         # -> logits [B, T, V], [hidden_states [B, T, len(hidden_layers) * H],] present 2L x [B, Hkv, slots_i, D]
         writes = position_ids[:, 0]  # each row's first slot
         if self.in_place_cache:
@@ -279,9 +288,8 @@ class StepModel(nn.Module):
         else:
             # the torch engine may pass its full caches cut to the call's live length (CachedStep): attention then
             # reads only those slots. Never in the export, whose cache inputs must feed nothing but their write.
-            live = None
-            if self.in_place_cache and self.max_seq_len in self.cache_slots:  # (the whole capacity or less)
-                live = past[2 * self.cache_slots.index(self.max_seq_len)].shape[-2]
+            if live is None and self.in_place_cache and self.max_seq_len in self.cache_slots:
+                live = past[2 * self.cache_slots.index(self.max_seq_len)].shape[-2]  # (a cut past: the capacity or less)
             masks = self.masks(position_ids, live)
         h = self.embed(input_ids)
         rope = None
@@ -300,7 +308,7 @@ class StepModel(nn.Module):
                 norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
                 rope = ropes[self.rope_table[i]]
             a, key, value = self.attention(
-                i, layer, norm1(h), rope, masks[self.mask_keys[i]], past[2 * i], past[2 * i + 1], writes
+                i, layer, norm1(h), rope, masks[self.mask_keys[i]], past[2 * i], past[2 * i + 1], writes, live
             )
             if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma: a norm after attention and after the MLP too
                 h = h + norm2(a)

@@ -25,8 +25,8 @@ from . import build, torch_path
 from .blocks import TYPES, Blocks, decode, dequantize
 from .layout import Packed, pack, unpack
 
-__all__ = ["TYPES", "Blocks", "Packed", "decode", "dequantize", "pack", "unpack", "load", "linear", "status",
-           "paths", "use_path"]
+__all__ = ["TYPES", "Blocks", "Packed", "decode", "dequantize", "pack", "unpack", "load", "linear", "attention",
+           "status", "paths", "use_path"]
 
 _status: dict = {}
 
@@ -47,12 +47,29 @@ def load(progress=sys.stderr) -> str:
         torch_path.register()
         _status.update(backend="torch", reason=str(e))
     torch.library.register_fake("trtspec::gguf_linear")(_fake)
+    torch.library.register_fake("trtspec::attention_rows")(_attention_fake)
     return _status["backend"]
 
 
-def _fake(x, packed, n, k, bits, group, zero, has_min, int8_activations):
+def _fake(x, packed, n, k, bits, group, zero, has_min, half_scales, int8_activations):
     # torch.export / AOTInductor trace with this: the output's shape and dtype only
     return x.new_empty((*x.shape[:-1], n))
+
+
+def _attention_fake(q, k, v, mask, scale, softcap):
+    return q.new_empty(q.shape)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+              softcap: float | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale [soft-capped], where mask) v, one query row at a time in an order fixed per row: a
+    row's result is the same bits whatever the call's number of rows (csrc/attention_rows.h).
+
+    q [B, H, T, D] float32; k, v [B, Hkv, S, D] (a KV cache cut to its live slots), H a multiple of Hkv; mask
+    bool, broadcastable to [B, 1, T, S] -> [B, H, T, D]."""
+    load()
+    mask = mask.expand(q.shape[0], 1, q.shape[2], k.shape[2])
+    return torch.ops.trtspec.attention_rows(q, k, v, mask, scale, softcap or 0.0)
 
 
 def status() -> dict:
@@ -82,4 +99,4 @@ def linear(x: torch.Tensor, layer: Packed, int8_activations: bool = False, data:
     to skip the conversion on every call)."""
     load()
     return torch.ops.trtspec.gguf_linear(x, as_tensor(layer) if data is None else data, layer.n, layer.k, layer.bits,
-                                         layer.group, layer.zero, layer.has_min, int8_activations)
+                                         layer.group, layer.zero, layer.has_min, layer.half_scales, int8_activations)

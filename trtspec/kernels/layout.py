@@ -1,8 +1,9 @@
 """The kernels' layout of a GGUF tensor (csrc/gguf_linear.h says it byte by byte): written once, at build time.
 
 Output columns in panels of 16; per panel, every group of G weights along K in order, each group its codes (16
-columns x G, a column's 4 consecutive k in one int32 lane), then the 16 columns' float32 scales, then their
-minimums where the type has them. Codes keep their bits: two 4-bit codes a byte, 5- and 6-bit codes as a nibble
+columns x G, a column's 4 consecutive k in one int32 lane), then the 16 columns' scales, then their minimums where
+the type has them: float16 where every scale and minimum of the tensor is one exactly (the legacy types, whose d and
+m are the file's float16), else float32 (a K-quant's d * sc). Codes keep their bits: two 4-bit codes a byte, 5- and 6-bit codes as a nibble
 plus a plane of their high bits, Q8_0's bytes as they are.
 """
 
@@ -28,14 +29,20 @@ class Packed:
     zero: int
     has_min: bool
     type_name: str
+    half_scales: bool = False  # scales and minimums stored as float16 (exactly), not float32
 
     @property
     def codes_bytes(self) -> int:
         return codes_bytes(self.bits, self.group)
 
     @property
+    def floats_bytes(self) -> int:
+        """A group's 16 scales (or minimums)."""
+        return PANEL * (2 if self.half_scales else 4)
+
+    @property
     def group_bytes(self) -> int:
-        return self.codes_bytes + (128 if self.has_min else 64)
+        return self.codes_bytes + self.floats_bytes * (2 if self.has_min else 1)
 
 
 def codes_bytes(bits: int, group: int) -> int:
@@ -43,8 +50,8 @@ def codes_bytes(bits: int, group: int) -> int:
     return {4: steps // 2 * 64, 5: steps // 2 * 64 + 64, 6: steps // 2 * 64 + 64, 8: steps * 64}[bits]
 
 
-def pack(blocks: Blocks) -> Packed:
-    """Blocks (blocks.decode) -> Packed."""
+def pack(blocks: Blocks, half_scales: bool | None = None) -> Packed:
+    """Blocks (blocks.decode) -> Packed; ``half_scales``: float16 scales and minimums (None: wherever exact)."""
     n, k = blocks.shape
     g, bits = blocks.group, blocks.bits
     steps, groups = g // 4, k // g
@@ -66,15 +73,19 @@ def pack(blocks: Blocks) -> Packed:
             plane = sum(high[:, :, s] << (width * s) for s in range(steps)).astype(np.uint8)
             parts.append(plane)
 
-    def floats(v: np.ndarray) -> np.ndarray:  # [n, groups] -> [panels, groups, 64 bytes]
-        v = np.pad(v.astype(np.float32), ((0, pad), (0, 0)))
+    kept = [v for v in (blocks.scales, blocks.minimums) if v is not None]
+    exact = all(np.array_equal(v.astype(np.float16).astype(np.float32), v) for v in kept)
+    if half_scales and not exact:
+        raise ValueError(f"{blocks.type_name}'s scales or minimums are not all float16 numbers; pack them as float32")
+    half = exact if half_scales is None else half_scales
+
+    def floats(v: np.ndarray) -> np.ndarray:  # [n, groups] -> [panels, groups, 16 x 2 or 4 bytes]
+        v = np.pad(v.astype(np.float16 if half else np.float32), ((0, pad), (0, 0)))
         return np.ascontiguousarray(v.reshape(panels, PANEL, groups).transpose(0, 2, 1)).view(np.uint8)
 
-    parts.append(floats(blocks.scales))
-    if blocks.minimums is not None:
-        parts.append(floats(blocks.minimums))
+    parts += [floats(v) for v in kept]
     data = np.ascontiguousarray(np.concatenate(parts, axis=-1)).reshape(-1)
-    return Packed(data, n, k, bits, g, blocks.zero, blocks.minimums is not None, blocks.type_name)
+    return Packed(data, n, k, bits, g, blocks.zero, blocks.minimums is not None, blocks.type_name, half)
 
 
 def unpack(p: Packed) -> Blocks:
@@ -97,9 +108,9 @@ def unpack(p: Packed) -> Blocks:
     codes = steps_of.reshape(panels, groups, steps, PANEL, 4).transpose(0, 3, 1, 2, 4).reshape(panels * PANEL, p.k)
 
     def floats(at: int) -> np.ndarray:
-        v = np.ascontiguousarray(data[:, :, at:at + 64]).view(np.float32)  # [panels, groups, 16]
-        return v.transpose(0, 2, 1).reshape(panels * PANEL, groups)[: p.n]
+        v = np.ascontiguousarray(data[:, :, at:at + p.floats_bytes]).view(np.float16 if p.half_scales else np.float32)
+        return v.astype(np.float32).transpose(0, 2, 1).reshape(panels * PANEL, groups)[: p.n]  # [panels, groups, 16]
 
     codes = codes[: p.n]
     return Blocks(np.ascontiguousarray(codes.view(np.int8) if p.bits == 8 else codes), floats(cb),
-                  floats(cb + 64) if p.has_min else None, p.zero, p.bits, p.group, p.type_name)
+                  floats(cb + p.floats_bytes) if p.has_min else None, p.zero, p.bits, p.group, p.type_name)

@@ -15,7 +15,8 @@ import torch
 from . import layout
 
 SCHEMA = ("gguf_linear(Tensor x, Tensor packed, int n, int k, int bits, int group, int zero, bool has_min, "
-          "bool int8_activations) -> Tensor")
+          "bool half_scales, bool int8_activations) -> Tensor")
+ATTENTION_SCHEMA = "attention_rows(Tensor q, Tensor k, Tensor v, Tensor mask, float scale, float softcap) -> Tensor"
 _library = None
 
 
@@ -29,9 +30,9 @@ def quantize_rows(x: torch.Tensor, group: int):
     return q.reshape(m, k), d, q.reshape(m, k // group, group).sum(-1)
 
 
-def gguf_linear(x, packed, n, k, bits, group, zero, has_min, int8_activations):
+def gguf_linear(x, packed, n, k, bits, group, zero, has_min, half_scales, int8_activations):
     # x [..., k] float32, packed [bytes] uint8 -> [..., n] float32
-    b = layout.unpack(layout.Packed(packed.numpy(), n, k, bits, group, zero, has_min, ""))
+    b = layout.unpack(layout.Packed(packed.numpy(), n, k, bits, group, zero, has_min, "", half_scales))
     codes = torch.from_numpy(b.codes.astype(np.float64))                      # [n, k]
     scales = torch.from_numpy(b.scales)                                       # [n, groups]
     minimums = torch.from_numpy(b.minimums) if has_min else None
@@ -57,14 +58,28 @@ def gguf_linear(x, packed, n, k, bits, group, zero, has_min, int8_activations):
     return acc.reshape(*x.shape[:-1], n)
 
 
+def attention_rows(q, k, v, mask, scale, softcap):
+    # the compiled op's (csrc/attention_rows.h) in plain torch: products and sums, so a row's result does not
+    # depend on the call's rows either (not the same bits as the compiled op's)
+    hkv = k.shape[1]
+    q5 = q.unflatten(1, (hkv, q.shape[1] // hkv))  # [B, Hkv, G, T, D]: a group of query heads per key head
+    scores = (q5[..., None, :] * k[:, :, None, None]).sum(-1) * scale  # [B, Hkv, G, T, S]
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    probs = torch.softmax(scores.masked_fill(~mask[:, :, None], float("-inf")), dim=-1)
+    return (probs[..., None] * v[:, :, None, None]).sum(-2).flatten(1, 2)
+
+
 def register() -> None:
-    """Define torch.ops.trtspec.gguf_linear (and the path ops) in Python."""
+    """Define torch.ops.trtspec.gguf_linear, attention_rows (and the path ops) in Python."""
     global _library
     if _library is not None:
         return
     _library = torch.library.Library("trtspec", "FRAGMENT")
     _library.define(SCHEMA)
     _library.impl("gguf_linear", gguf_linear, "CPU")
+    _library.define(ATTENTION_SCHEMA)
+    _library.impl("attention_rows", attention_rows, "CPU")
     _library.define("gguf_kernel_path(str name='') -> str")
     _library.impl("gguf_kernel_path", _path, "CompositeImplicitAutograd")
     _library.define("gguf_kernel_paths() -> str[]")

@@ -25,33 +25,41 @@ from .source import load_source
 log = logging.getLogger("trtspec.torch")
 
 
+# How inductor splits the package's loops between threads. It decides once, at build time, from the example's sizes
+# and a thread count: with this machine's 2 and the example's 2 rows, it split attention between rows only, so a
+# one-row call ran attention on one thread while the other waited. Planned for 8 threads it splits rows x heads
+# (x tokens); dynamic threads: the loaded package uses however many threads torch has where it runs, and its
+# reductions size their per-thread arrays then, not from the machine that built it.
+COMPILE_CONFIG = {"cpp.threads": 8, "cpp.dynamic_threads": True}
+
+
 class AOTStep(nn.Module):
     """The package's signature (engines/torch_aot.py): (input_ids, position_ids, tree_mask | live, *caches)
-    -> logits[, hidden_states]; a full-length cache is cut to its first len(live) slots (max_seq_len: trees)."""
+    -> logits[, hidden_states]; attention reads a full-length cache's first len(live) slots (max_seq_len: trees),
+    cut inside the step after the call's write, so the caches stay graph inputs written in place."""
 
     def __init__(self, step: nn.Module):
         super().__init__()
         self.step = step
-        self.cuts = [n == step.max_seq_len for n in step.cache_slots for _ in (0, 1)]
 
     def forward(self, input_ids, position_ids, *args):
         if self.step.tree:  # (tree_mask, *caches): a tree call attends the whole capacity
             tree, caches, live = args[:1], args[1:], self.step.max_seq_len
         else:  # (live, *caches)
             tree, caches, live = (), args[1:], args[0].shape[0]
-        caches = [c[:, :, :live] if cut else c for c, cut in zip(caches, self.cuts)]
-        logits, hidden, _ = split_outputs(self.step, self.step(input_ids, position_ids, *tree, *caches))
+        logits, hidden, _ = split_outputs(self.step, self.step(input_ids, position_ids, *tree, *caches, live=live))
         return logits if hidden is None else (logits, hidden)
 
 
 def _example(model: dict, device: str):
     """Example inputs and their dynamic dimensions: rows, tokens and live length (examples of 2 or more, which
-    torch.export does not specialise)."""
+    torch.export does not specialise; inductor splits loops between threads by these sizes, so tokens and live
+    length are a verify call's and a context's, not the least that would trace)."""
     from torch.export import Dim
 
     rows, seq = model["max_batch"], model["max_seq_len"]
     tokens = min(max_call_tokens(model), seq)
-    b, t = min(2, rows), min(3, tokens)
+    b, t = min(2, rows), min(8, tokens)
     ids = torch.ones((b, t), dtype=torch.long, device=device)
     pos = torch.arange(t, device=device).repeat(b, 1)
     row = Dim("rows", min=1, max=rows) if rows > 1 else None
@@ -61,7 +69,7 @@ def _example(model: dict, device: str):
         args.append(torch.ones((b, t, t), dtype=torch.bool, device=device))
         dims.append({0: row, 1: tok, 2: tok})
     else:
-        args.append(torch.arange(min(LIVE_STEP, seq), device=device))
+        args.append(torch.arange(min(4 * LIVE_STEP, seq), device=device))
         dims.append({0: Dim("live", min=1, max=seq)} if seq > 1 else {})
     dtype = getattr(torch, model["dtype"])
     caches = [torch.zeros((b, model["num_kv_heads"], n + CACHE_PAD * (n == seq), model["head_dim"]), dtype=dtype,
@@ -115,7 +123,8 @@ def build_torch(export_dir: Path, export_manifest: dict, out_dir: Path, *, weigh
                  model["num_layers"])
         program = torch.export.export(AOTStep(step).eval(), args, dynamic_shapes=dims, strict=False)
         log.info("AOTInductor: compiling the step into %s (about a minute on 2 cores)", PACKAGE)
-        torch._inductor.aoti_compile_and_package(program, package_path=str(tmp / PACKAGE))
+        with torch._inductor.config.patch(COMPILE_CONFIG):
+            torch._inductor.aoti_compile_and_package(program, package_path=str(tmp / PACKAGE))
         build["compile_s"] = round(time.perf_counter() - t, 1)
         carry_files(export_dir, export_manifest, tmp)
     log.info("wrote %s in %.1f s", out_dir, time.perf_counter() - t0)

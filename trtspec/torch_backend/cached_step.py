@@ -29,11 +29,9 @@ class CachedStep(nn.Module):
         # a chain call's only); its length is what counts, so L stays a dynamic size, not a recompile
         # -> (logits [B, T, V], hidden_states [B, T, F] or None); writes cache rows [0, B)
         b = input_ids.shape[0]
-        full = self.step.max_seq_len
-        caches = [c[:b] if live is None or n != full else c[:b, :, : live.shape[0]]
-                  for c, n in zip(self.caches(), [n for n in self.step.cache_slots for _ in (0, 1)])]
-        return split_outputs(self.step, self.step(input_ids, position_ids, *tree_args(self.step, tree_mask),
-                                                  *caches))[:2]
+        caches = [c[:b] for c in self.caches()]  # (the step cuts the live slots after its write: StepModel.forward)
+        return split_outputs(self.step, self.step(input_ids, position_ids, *tree_args(self.step, tree_mask), *caches,
+                                                  live=None if live is None else live.shape[0]))[:2]
 
 
 def tree_args(step, tree_mask) -> tuple:

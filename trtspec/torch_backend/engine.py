@@ -206,12 +206,13 @@ def step_module(source, *, device: str, functional_cache: bool = False, weights:
             raise ValueError(f"weights='gguf' needs an export of a GGUF file; {source.path} was not made from one")
         if device != "cpu":
             raise BackendUnavailableError("the GGUF kernels run on the CPU; use device='cpu' or weights='float'")
-        from .gguf import use_gguf_kernels
+        from .gguf import fuse_gguf, use_gguf_kernels
 
         gguf = use_gguf_kernels(hf, source.gguf_file, source.spec, int8_activations, rowwise)
     step = StepModel(hf, source.spec, model["max_seq_len"], in_place_cache=not functional_cache,
                      cache_slots=model["cache_slots"], tree=bool(model.get("tree_verify")),
-                     hidden_layers=features.get("layers"), fuse_projections=not functional_cache and gguf is None,
+                     hidden_layers=features.get("layers"),
+                     fuse_projections=not functional_cache and (True if gguf is None else fuse_gguf),
                      rowwise_attention=rowwise)
     return step.eval().to(device), gguf
 

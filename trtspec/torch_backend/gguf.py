@@ -27,19 +27,55 @@ class GGUFLinear(nn.Module):
         self.register_buffer("packed", kernels.as_tensor(layer), persistent=False)
         self.in_features, self.out_features = layer.k, layer.n
         self.bits, self.group, self.zero, self.has_min = layer.bits, layer.group, layer.zero, layer.has_min
-        self.type_name = layer.type_name
+        self.half_scales, self.type_name = layer.half_scales, layer.type_name
         self.int8_activations = int8_activations
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     def forward(self, x):
         # x [..., in] float32 -> [..., out]
         y = torch.ops.trtspec.gguf_linear(x, self.packed, self.out_features, self.in_features, self.bits, self.group,
-                                          self.zero, self.has_min, self.int8_activations)
+                                          self.zero, self.has_min, self.half_scales, self.int8_activations)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         return (f"{self.type_name}, in_features={self.in_features}, out_features={self.out_features}, "
                 f"int8_activations={self.int8_activations}")
+
+
+class FusedGGUFLinear(GGUFLinear):
+    """GGUF layers of one module that read the same input and share a block type, as one kernel call: their
+    panels side by side (each layer's outputs fill whole panels), one rounding of the input instead of one each.
+    forward returns their outputs in order; each column is computed as in its own layer, bit for bit."""
+
+    def __init__(self, module: nn.Module, names: tuple[str, ...]):
+        nn.Module.__init__(self)
+        layers = [getattr(module, n) for n in names]
+        first = layers[0]
+        self.register_buffer("packed", torch.cat([lin.packed for lin in layers]), persistent=False)
+        self.in_features, self.out_features = first.in_features, sum(lin.out_features for lin in layers)
+        self.bits, self.group, self.zero, self.has_min = first.bits, first.group, first.zero, first.has_min
+        self.half_scales, self.type_name, self.int8_activations = first.half_scales, first.type_name, first.int8_activations
+        self.sizes = [lin.out_features for lin in layers]
+        biases = [lin.bias if lin.bias is not None else torch.zeros(lin.out_features) for lin in layers]
+        has_bias = any(lin.bias is not None for lin in layers)
+        self.bias = nn.Parameter(torch.cat(biases), requires_grad=False) if has_bias else None
+        for n in names:
+            delattr(module, n)
+
+    def forward(self, x):
+        return super().forward(x).split(self.sizes, dim=-1)
+
+
+def fuse_gguf(module: nn.Module, names: tuple[str, ...]) -> FusedGGUFLinear | None:
+    """StepModel's fuse_projections for the kernels' layers: one FusedGGUFLinear where the layers are all on the
+    kernels, of one block type and input size, and every layer but the last fills whole panels; else None."""
+    layers = [getattr(module, n) for n in names]
+    if not all(type(lin) is GGUFLinear for lin in layers):
+        return None
+    same = {(lin.type_name, lin.in_features, lin.half_scales, lin.int8_activations) for lin in layers}
+    if len(same) > 1 or any(lin.out_features % kernels.layout.PANEL for lin in layers[:-1]):
+        return None
+    return FusedGGUFLinear(module, names)
 
 
 class RowwiseLinear(nn.Module):

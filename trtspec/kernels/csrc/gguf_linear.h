@@ -15,8 +15,9 @@
 //                   code (S = 8).
 //            6-bit: the nibble blocks, then one plane whose bits 2s, 2s + 1 are bits 4, 5 of step s's code (S = 4).
 //            8-bit: S blocks of 64 signed bytes (Q8_0's codes as they are).
-//   scales   16 float32, the group's scale of each column
-//   minimums 16 float32 (only where the type has them)
+//   scales   16 floats, the group's scale of each column: float16 where the whole tensor's scales and minimums
+//            are float16 exactly (the legacy types: their d and m are the file's; half_scales), else float32
+//   minimums 16 floats of the same width (only where the type has them)
 //
 // A column of a padded last panel has zero codes and zero scales.
 //
@@ -44,7 +45,9 @@ struct Weights {
   int bits;              // 4, 5, 6 or 8
   int zero;              // integer zero point
   bool has_min;
+  bool half_scales;      // scales and minimums as float16 (converted exactly to float32 as they are read)
   int64_t codes_bytes;   // per group
+  int64_t floats_bytes;  // a group's 16 scales (or minimums): 32 or 64
   int64_t group_bytes;   // codes + scales (+ minimums)
 };
 
@@ -66,11 +69,24 @@ struct FloatRows {
   int64_t m;
 };
 
+// A call of attention over a KV cache, one query row at a time (attention_rows.h).
+struct AttentionArgs {
+  const float* q;          // [B, H, T, D] contiguous
+  const float* k;          // key cache: element (b, kh, s, d) at k[b * kb + kh * kt + s * D + d]
+  const float* v;          // value cache: v[b * vb + kh * vt + s * D + d]
+  const bool* mask;        // mask (b, t, s) at mask[b * mb + t * mt + s * ms]
+  float* out;              // [B, H, T, D] contiguous
+  int64_t B, H, Hkv, T, S, D;
+  int64_t kb, kt, vb, vt;
+  int64_t mb, mt, ms;
+  float scale, softcap;    // softcap 0: none
+};
+
 // Each computes output panels [p0, p1) for all m rows: y [m, ldy] float32, columns 16 * p ...
 using Int8Kernel = void (*)(const Weights&, const Int8Rows&, float* y, int64_t ldy, int64_t p0, int64_t p1);
 using FloatKernel = void (*)(const Weights&, const FloatRows&, float* y, int64_t ldy, int64_t p0, int64_t p1);
-// rows [r0, r1) of x [m, k] -> their columns of an Int8Rows' arrays (quantize_rows.h)
-using Quantizer = void (*)(const float* x, int64_t m, int64_t k, int64_t group, int zero, int64_t r0, int64_t r1,
+// blocks of 32 [b0, b1) along K of every row of x [m, k] -> their part of an Int8Rows' arrays (quantize_rows.h)
+using Quantizer = void (*)(const float* x, int64_t m, int64_t k, int64_t group, int zero, int64_t b0, int64_t b1,
                            int32_t* q, int32_t* zsum, float* fsum, float* scale);
 
 void quantize_reference(const float*, int64_t, int64_t, int64_t, int, int64_t, int64_t, int32_t*, int32_t*, float*, float*);
@@ -83,5 +99,10 @@ void float_avx2(const Weights&, const FloatRows&, float*, int64_t, int64_t, int6
 void int8_avx512(const Weights&, const Int8Rows&, float*, int64_t, int64_t, int64_t);
 void float_avx512(const Weights&, const FloatRows&, float*, int64_t, int64_t, int64_t);
 void int8_avx512vnni(const Weights&, const Int8Rows&, float*, int64_t, int64_t, int64_t);
+// rows [r0, r1) of the B * H * T; scratch: S rounded up to 16, plus D floats
+using AttentionKernel = void (*)(const AttentionArgs&, int64_t r0, int64_t r1, float* scratch);
+void attention_reference(const AttentionArgs&, int64_t, int64_t, float*);
+void attention_avx2(const AttentionArgs&, int64_t, int64_t, float*);
+void attention_avx512(const AttentionArgs&, int64_t, int64_t, float*);
 
 }  // namespace trtspec_gguf

@@ -1,11 +1,12 @@
-// AVX2 + FMA (e.g. AMD Zen 3). A panel's 16 columns are two ymm halves, done one after the other (a half reads
+// AVX2 + FMA + F16C (e.g. AMD Zen 3). A panel's 16 columns are two ymm halves, done one after the other (a half reads
 // 32 of each 64-byte block; the panel stays in L1 between them), R <= 4 rows at a time: 16 ymm registers hold R
 // int32 sums, R int16 partial sums and R float sums. maddubs' int16 pair sums add up over kInt16Steps steps of a
 // group before madd widens them (the bounds of gguf_linear_avx512.h), so a 4-bit group costs one madd per row.
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 #include <immintrin.h>
 
 #include "gguf_linear.h"
+#include "attention_rows.h"
 #include "quantize_rows.h"
 
 namespace trtspec_gguf {
@@ -38,6 +39,12 @@ inline __m256i codes_of(const uint8_t* group, int s, int h) {
   }
 }
 
+// Scales (or minimums) of columns 8h .. 8h + 7 from the 16 at p, as float32 (float16 converted exactly).
+inline __m256 floats_at(const Weights& w, const uint8_t* p, int h) {
+  return w.half_scales ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p) + h))
+                       : _mm256_loadu_ps(reinterpret_cast<const float*>(p) + kHalf * h);
+}
+
 template <int BITS, int R>
 void int8_rows(const Weights& w, const uint8_t* panel, const Int8Rows& x, int64_t r0, float* y, int64_t ldy,
                int64_t col0) {
@@ -65,9 +72,9 @@ void int8_rows(const Weights& w, const uint8_t* panel, const Int8Rows& x, int64_
           }
         }
       }
-      const __m256 scale = _mm256_loadu_ps(reinterpret_cast<const float*>(group + w.codes_bytes) + kHalf * h);
+      const __m256 scale = floats_at(w, group + w.codes_bytes, h);
       const __m256 minimum = w.has_min
-          ? _mm256_loadu_ps(reinterpret_cast<const float*>(group + w.codes_bytes + 64) + kHalf * h)
+          ? floats_at(w, group + w.codes_bytes + w.floats_bytes, h)
           : _mm256_setzero_ps();
       const int64_t i = g * x.m + r0;
       for (int r = 0; r < R; ++r) {
@@ -92,9 +99,9 @@ void float_rows(const Weights& w, const uint8_t* panel, const FloatRows& x, int6
     for (int64_t g = 0; g < w.groups; ++g) {
       const uint8_t* group = panel + g * w.group_bytes;
       const float* xg = x.xt + g * G * x.m + r0;  // k = g * G + i, row r: xg[i * m + r]
-      const __m256 scale = _mm256_loadu_ps(reinterpret_cast<const float*>(group + w.codes_bytes) + kHalf * h);
+      const __m256 scale = floats_at(w, group + w.codes_bytes, h);
       const __m256 minimum = w.has_min
-          ? _mm256_loadu_ps(reinterpret_cast<const float*>(group + w.codes_bytes + 64) + kHalf * h)
+          ? floats_at(w, group + w.codes_bytes + w.floats_bytes, h)
           : _mm256_setzero_ps();
 #pragma GCC unroll 8
       for (int s = 0; s < S; ++s) {
@@ -163,9 +170,13 @@ void float_avx2(const Weights& w, const FloatRows& x, float* y, int64_t ldy, int
   }
 }
 
-void quantize_avx2(const float* x, int64_t m, int64_t k, int64_t group, int zero, int64_t r0, int64_t r1, int32_t* q,
+void attention_avx2(const AttentionArgs& a, int64_t r0, int64_t r1, float* scratch) {
+  attention_rows_impl(a, r0, r1, scratch);
+}
+
+void quantize_avx2(const float* x, int64_t m, int64_t k, int64_t group, int zero, int64_t b0, int64_t b1, int32_t* q,
                     int32_t* zsum, float* fsum, float* scale) {
-  quantize_rows_impl(x, m, k, group, zero, r0, r1, q, zsum, fsum, scale);
+  quantize_rows_impl(x, m, k, group, zero, b0, b1, q, zsum, fsum, scale);
 }
 
 }  // namespace trtspec_gguf

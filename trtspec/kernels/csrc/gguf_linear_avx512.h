@@ -41,6 +41,12 @@ inline __m512i codes_of(const uint8_t* group, int s) {
   }
 }
 
+// The 16 scales (or minimums) at p, as float32: float16 converted exactly, or float32 as stored.
+inline __m512 floats_at(const Weights& w, const uint8_t* p) {
+  return w.half_scales ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))
+                       : _mm512_loadu_ps(reinterpret_cast<const float*>(p));
+}
+
 // maddubs needs an unsigned left operand: a signed code's sign moves onto the activation.
 inline __m512i abs_codes(__m512i q) { return _mm512_abs_epi8(q); }
 inline __m512i signed_like(__m512i a, __m512i q) {
@@ -89,9 +95,8 @@ void int8_rows(const Weights& w, const uint8_t* panel, const Int8Rows& x, int64_
 #ifdef TRTSPEC_VNNI
     for (int r = 0; r < R; ++r) dot[r] = _mm512_add_epi32(dot[r], odd[r]);
 #endif
-    const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(group + w.codes_bytes));
-    const __m512 minimum =
-        w.has_min ? _mm512_loadu_ps(reinterpret_cast<const float*>(group + w.codes_bytes + 64)) : _mm512_setzero_ps();
+    const __m512 scale = floats_at(w, group + w.codes_bytes);
+    const __m512 minimum = w.has_min ? floats_at(w, group + w.codes_bytes + w.floats_bytes) : _mm512_setzero_ps();
     const int64_t i = g * x.m + r0;
     for (int r = 0; r < R; ++r) {
       const __m512i idot = _mm512_sub_epi32(dot[r], _mm512_set1_epi32(x.zsum[i + r]));
@@ -113,9 +118,8 @@ void float_rows(const Weights& w, const uint8_t* panel, const FloatRows& x, int6
   for (int64_t g = 0; g < w.groups; ++g) {
     const uint8_t* group = panel + g * w.group_bytes;
     const float* xg = x.xt + g * G * x.m + r0;  // k = g * G + i, row r: xg[i * m + r]
-    const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(group + w.codes_bytes));
-    const __m512 minimum =
-        w.has_min ? _mm512_loadu_ps(reinterpret_cast<const float*>(group + w.codes_bytes + 64)) : _mm512_setzero_ps();
+    const __m512 scale = floats_at(w, group + w.codes_bytes);
+    const __m512 minimum = w.has_min ? floats_at(w, group + w.codes_bytes + w.floats_bytes) : _mm512_setzero_ps();
     for (int s = 0; s < S; ++s) {
       const __m512i q = codes_of<BITS>(group, s);
       for (int t = 0; t < 4; ++t) {

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "gguf_linear.h"
+#include "attention_rows.h"
 #include "quantize_rows.h"
 
 namespace trtspec_gguf {
@@ -22,16 +23,32 @@ int code_at(const Weights& w, const uint8_t* group, int c, int kk) {
   return code;
 }
 
-float scale_at(const Weights& w, const uint8_t* group, int c) {
+// An IEEE float16's value as float32 (exact: every float16 is a float32).
+float from_half(uint16_t h) {
+  const int sign = h >> 15, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
   float v;
-  std::memcpy(&v, group + w.codes_bytes + 4 * c, 4);
+  if (exponent == 0) v = std::ldexp(static_cast<float>(mantissa), -24);  // zero or subnormal
+  else if (exponent == 31) v = mantissa ? NAN : INFINITY;
+  else v = std::ldexp(static_cast<float>(mantissa | 0x400), exponent - 25);
+  return sign ? -v : v;
+}
+
+// Float i (0 .. 15) of the 16 at p: a column's scale or minimum.
+float float_at(const Weights& w, const uint8_t* p, int i) {
+  if (w.half_scales) {
+    uint16_t h;
+    std::memcpy(&h, p + 2 * i, 2);
+    return from_half(h);
+  }
+  float v;
+  std::memcpy(&v, p + 4 * i, 4);
   return v;
 }
 
+float scale_at(const Weights& w, const uint8_t* group, int c) { return float_at(w, group + w.codes_bytes, c); }
+
 float minimum_at(const Weights& w, const uint8_t* group, int c) {
-  float v;
-  std::memcpy(&v, group + w.codes_bytes + 64 + 4 * c, 4);
-  return v;
+  return float_at(w, group + w.codes_bytes + w.floats_bytes, c);
 }
 
 }  // namespace
@@ -85,9 +102,13 @@ void float_reference(const Weights& w, const FloatRows& x, float* y, int64_t ldy
   }
 }
 
-void quantize_reference(const float* x, int64_t m, int64_t k, int64_t group, int zero, int64_t r0, int64_t r1, int32_t* q,
+void attention_reference(const AttentionArgs& a, int64_t r0, int64_t r1, float* scratch) {
+  attention_rows_impl(a, r0, r1, scratch);
+}
+
+void quantize_reference(const float* x, int64_t m, int64_t k, int64_t group, int zero, int64_t b0, int64_t b1, int32_t* q,
                     int32_t* zsum, float* fsum, float* scale) {
-  quantize_rows_impl(x, m, k, group, zero, r0, r1, q, zsum, fsum, scale);
+  quantize_rows_impl(x, m, k, group, zero, b0, b1, q, zsum, fsum, scale);
 }
 
 }  // namespace trtspec_gguf

@@ -22,10 +22,11 @@ struct Path {
   Int8Kernel int8;
   FloatKernel floats;
   Quantizer quantize;
+  AttentionKernel attention;
 };
 
 bool always() { return true; }
-bool has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
+bool has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"); }
 bool has_avx512() { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
                            __builtin_cpu_supports("fma"); }
@@ -33,10 +34,10 @@ bool has_avx512vnni() { return has_avx512() && __builtin_cpu_supports("avx512vnn
 
 // Fastest first.
 const Path kPaths[] = {
-    {"avx512vnni", has_avx512vnni, int8_avx512vnni, float_avx512, quantize_avx512},
-    {"avx512", has_avx512, int8_avx512, float_avx512, quantize_avx512},
-    {"avx2", has_avx2, int8_avx2, float_avx2, quantize_avx2},
-    {"reference", always, int8_reference, float_reference, quantize_reference},
+    {"avx512vnni", has_avx512vnni, int8_avx512vnni, float_avx512, quantize_avx512, attention_avx512},
+    {"avx512", has_avx512, int8_avx512, float_avx512, quantize_avx512, attention_avx512},
+    {"avx2", has_avx2, int8_avx2, float_avx2, quantize_avx2, attention_avx2},
+    {"reference", always, int8_reference, float_reference, quantize_reference, attention_reference},
 };
 
 const Path* best_path() {
@@ -58,7 +59,7 @@ int64_t codes_bytes_of(int64_t bits, int64_t group) {
 }
 
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k, int64_t bits,
-                       int64_t group, int64_t zero, bool has_min, bool int8_activations) {
+                       int64_t group, int64_t zero, bool has_min, bool half_scales, bool int8_activations) {
   TORCH_CHECK(x.scalar_type() == at::kFloat, "gguf_linear: x must be float32, got ", x.scalar_type());
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "gguf_linear: x's last dimension must be ", k, ", got ", x.sizes());
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "gguf_linear: packed must be contiguous uint8");
@@ -74,8 +75,10 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
   w.bits = static_cast<int>(bits);
   w.zero = static_cast<int>(zero);
   w.has_min = has_min;
+  w.half_scales = half_scales;
   w.codes_bytes = codes_bytes_of(bits, group);
-  w.group_bytes = w.codes_bytes + (has_min ? 128 : 64);
+  w.floats_bytes = kPanel * (half_scales ? 2 : 4);
+  w.group_bytes = w.codes_bytes + w.floats_bytes * (has_min ? 2 : 1);
   const int64_t panels = (n + kPanel - 1) / kPanel;
   TORCH_CHECK(packed.numel() == panels * w.groups * w.group_bytes, "gguf_linear: packed holds ", packed.numel(),
               " bytes, a [", n, ", ", k, "] layer of ", bits, "-bit codes takes ", panels * w.groups * w.group_bytes);
@@ -97,8 +100,10 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
     float* fp = reinterpret_cast<float*>(zp + w.groups * m);
     float* sp = fp + w.groups * m;
     const float* xp = x2.data_ptr<float>();
-    at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
-      path->quantize(xp, m, k, group, w.zero, r0, r1, qp, zp, fp, sp);
+    // split along K, never between rows: the rows of a chunk share cache lines (Int8Rows), and threads writing
+    // one line each made a 17-row call's rounding cost more than its matmul; under 16K values it is one thread's
+    at::parallel_for(0, k / 32, std::max<int64_t>(1, 512 / m), [&](int64_t b0, int64_t b1) {
+      path->quantize(xp, m, k, group, w.zero, b0, b1, qp, zp, fp, sp);
     });
     const Int8Rows rows{qp, zp, fp, sp, m};
     at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) { path->int8(w, rows, yp, ldy, p0, p1); });
@@ -109,6 +114,39 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
   }
   if (ldy != n) y = y.narrow(1, 0, n).contiguous();
   return y.view(out_shape);
+}
+
+// torch.ops.trtspec.attention_rows: softmax(q k^T * scale [soft-capped], masked) v per query row, in an order
+// fixed per row (attention_rows.h). q [B, H, T, D]; k, v [B, Hkv, S, D] with unit stride along D and D along S
+// (a KV cache cut to its live slots: any batch and head strides); mask bool [B, 1, T, S] (broadcast strides
+// allowed) -> [B, H, T, D]. Rows are split between threads, never a row's keys.
+at::Tensor attention_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
+                          double scale, double softcap) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "attention_rows: q, k and v must be float32");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && mask.dim() == 4,
+              "attention_rows: q, k, v and mask must be 4-d ([B, H, T, D], [B, Hkv, S, D], [B, 1, T, S])");
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), Hkv = k.size(1), S = k.size(2);
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == B && k.size(3) == D && Hkv > 0 && H % Hkv == 0,
+              "attention_rows: k and v must be [B, Hkv, S, D] with H a multiple of Hkv; got q ", q.sizes(), ", k ",
+              k.sizes(), ", v ", v.sizes());
+  TORCH_CHECK(k.stride(3) == 1 && k.stride(2) == D && v.stride(3) == 1 && v.stride(2) == D,
+              "attention_rows: k and v must be contiguous along S and D");
+  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.size(0) == B && mask.size(1) == 1 && mask.size(2) == T &&
+              mask.size(3) == S, "attention_rows: mask must be bool [B, 1, T, S], got ", mask.sizes());
+  const at::Tensor qc = q.contiguous();
+  at::Tensor out = at::empty({B, H, T, D}, q.options());
+  if (out.numel() == 0) return out;
+  AttentionArgs a{qc.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), mask.data_ptr<bool>(),
+                  out.data_ptr<float>(), B, H, Hkv, T, S, D, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                  mask.stride(0), mask.stride(2), mask.stride(3), static_cast<float>(scale),
+                  static_cast<float>(softcap)};
+  const Path* path = g_path;
+  at::parallel_for(0, B * H * T, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<float> scratch((S + 15) / 16 * 16 + D);
+    path->attention(a, r0, r1, scratch.data());
+  });
+  return out;
 }
 
 // "" -> the path in use; a name -> use that path from now on (it must run on this CPU), returning it.
@@ -139,9 +177,13 @@ std::vector<std::string> gguf_kernel_paths() {
 
 TORCH_LIBRARY_FRAGMENT(trtspec, m) {  // a fragment: exporter/ defines other trtspec ops from Python
   m.def("gguf_linear(Tensor x, Tensor packed, int n, int k, int bits, int group, int zero, bool has_min, "
-        "bool int8_activations) -> Tensor");
+        "bool half_scales, bool int8_activations) -> Tensor");
+  m.def("attention_rows(Tensor q, Tensor k, Tensor v, Tensor mask, float scale, float softcap) -> Tensor");
   m.def("gguf_kernel_path(str name='') -> str", &trtspec_gguf::gguf_kernel_path);
   m.def("gguf_kernel_paths() -> str[]", &trtspec_gguf::gguf_kernel_paths);
 }
 
-TORCH_LIBRARY_IMPL(trtspec, CPU, m) { m.impl("gguf_linear", &trtspec_gguf::gguf_linear); }
+TORCH_LIBRARY_IMPL(trtspec, CPU, m) {
+  m.impl("gguf_linear", &trtspec_gguf::gguf_linear);
+  m.impl("attention_rows", &trtspec_gguf::attention_rows);
+}

@@ -1,4 +1,5 @@
-// Activations to int8 per block of 32 along K, as the int8 kernels read them: scale d = amax / 127, code
+// Activations to int8 per block of 32 along K (blocks [b0, b1) of every row: a thread's share is a range of K, so two
+// threads never write the same cache line of the interleaved rows), as the int8 kernels read them: scale d = amax / 127, code
 // rint(x / d) computed as x * (1 / d) rounded half to even (adding and subtracting 1.5 * 2^23 rounds any
 // |v| < 2^22 in the default rounding mode, as numpy's rint does), and each group's sum of codes. Plain loops,
 // included by each ISA file so that its compiler target vectorizes them; the IEEE operations are the same
@@ -9,11 +10,11 @@
 namespace trtspec_gguf {
 namespace {
 
-inline void quantize_rows_impl(const float* __restrict x, int64_t m, int64_t k, int64_t group, int zero, int64_t r0,
-                               int64_t r1, int32_t* __restrict q, int32_t* __restrict zsum, float* __restrict fsum,
+inline void quantize_rows_impl(const float* __restrict x, int64_t m, int64_t k, int64_t group, int zero, int64_t b0,
+                               int64_t b1, int32_t* __restrict q, int32_t* __restrict zsum, float* __restrict fsum,
                                float* __restrict scale) {
-  for (int64_t r = r0; r < r1; ++r) {
-    for (int64_t b = 0; b < k / 32; ++b) {
+  for (int64_t b = b0; b < b1; ++b) {
+    for (int64_t r = 0; r < m; ++r) {
       const float* v = x + r * k + b * 32;
       float half[16];  // |x| of the block folded in two, then reduced: written so the compiler vectorizes it
       for (int i = 0; i < 16; ++i) {

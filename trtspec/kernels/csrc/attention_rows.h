@@ -1,0 +1,155 @@
+// Attention one query row at a time, in an order fixed per row: a row's result is the same bits whatever the
+// call's number of rows and threads, and on every instruction set. The arithmetic is written on GCC's vectors of
+// 16 floats, lane by lane with no fused multiply-add; each ISA file includes this after its own #pragma GCC
+// target, and the compiler makes one zmm, two ymm or scalar code of it with the same IEEE steps per lane. The int8-activation builds need that: their verify call's
+// logits must equal the decode call's. It replaces a graph of products and sums whose compiled loops divided once
+// per key and head-dim chunk, and recomputed the rotary embedding per key.
+//
+// Per row (b, h, t), kh = h / (H / Hkv) its key head, over the keys s with mask[b, t, s]:
+//   score_s = dot(q, k_s) * scale      dot: 16 lanes, lane l summing d = l, l + 16, ... in order, then the lanes
+//                                      pairwise (l + 8, then l + 4, l + 2, l + 1)
+//   [score_s = tanh(score_s / softcap) * softcap]
+//   e_s = exp(score_s - max_s score_s) exp_nonpositive below, 16 keys at a time
+//   out = (sum_s e_s * v_s) * (1 / sum_s e_s)   both sums in key order
+// A row that sees no key gets NaN, as softmax over nothing does.
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include "gguf_linear.h"
+
+namespace trtspec_gguf {
+namespace {
+
+constexpr int kLanes = 16;
+typedef float f16x __attribute__((vector_size(64)));
+typedef int32_t i16x __attribute__((vector_size(64)));
+
+inline f16x load16(const float* p) {
+  f16x v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store16(float* p, f16x v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline f16x splat(float x) { return f16x{} + x; }
+
+// The sum of a vector's lanes: lane l adds lane l + 8, then l + 4, l + 2, l + 1; lane 0 holds the total.
+inline float lanes_sum(f16x v) {
+  v = v + __builtin_shuffle(v, i16x{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+  v = v + __builtin_shuffle(v, i16x{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+  v = v + __builtin_shuffle(v, i16x{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+  v = v + __builtin_shuffle(v, i16x{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+  return v[0];
+}
+
+// exp(x) for x <= 0 (scores minus their maximum), 16 at a time: 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2, p exp's
+// Taylor polynomial of degree 7 (error under 1e-8 there); below -87 (2^-126; a masked key's -inf) it is 0.
+inline f16x exp_nonpositive(f16x x) {
+  const i16x tiny = x < -87.0f;
+  x = tiny ? splat(-87.0f) : x;
+  const f16x n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // rint(x / ln2)
+  const f16x r = (x - n * 0.693359375f) - n * -2.12194440e-4f;              // ln2 in two parts
+  f16x p = splat(1.0f / 5040.0f);
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const i16x bits = (__builtin_convertvector(n, i16x) + 127) << 23;
+  f16x scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return tiny ? splat(0.0f) : p * scale;
+}
+
+// Rows [r0, r1) of the B * H * T with C = D / 16 (0: any D, the accumulators in scratch rather than registers);
+// scratch: S rounded up to 16, plus D floats. Every C computes the same steps.
+template <int C>
+void attention_rows_of(const AttentionArgs& a, int64_t r0, int64_t r1, float* __restrict scratch) {
+  const float inf = std::numeric_limits<float>::infinity();
+  const int64_t padded = (a.S + kLanes - 1) / kLanes * kLanes;
+  float* __restrict e = scratch;             // [S, padded to 16]: scores, then their exps
+  float* __restrict acc = scratch + padded;  // [D] (C = 0)
+  const int64_t group = a.H / a.Hkv, chunks = C ? C : a.D / kLanes;
+  for (int64_t row = r0; row < r1; ++row) {
+    const int64_t t = row % a.T, h = (row / a.T) % a.H, b = row / (a.T * a.H), kh = h / group;
+    const float* q = a.q + row * a.D;
+    const float* kbase = a.k + b * a.kb + kh * a.kt;
+    const float* vbase = a.v + b * a.vb + kh * a.vt;
+    const bool* m = a.mask + b * a.mb + t * a.mt;
+    f16x qv[C ? C : 1];
+    for (int c = 0; c < C; ++c) qv[c] = load16(q + c * kLanes);
+    float top = -inf;
+    for (int64_t s = 0; s < a.S; ++s) {
+      if (!m[s * a.ms]) {
+        e[s] = -inf;
+        continue;
+      }
+      const float* key = kbase + s * a.D;
+      f16x lanes{};
+      if constexpr (C > 0) {
+        for (int c = 0; c < C; ++c) lanes = lanes + qv[c] * load16(key + c * kLanes);
+      } else {
+        for (int64_t c = 0; c < chunks; ++c) lanes = lanes + load16(q + c * kLanes) * load16(key + c * kLanes);
+        for (int64_t d = chunks * kLanes; d < a.D; ++d) lanes[d % kLanes] = lanes[d % kLanes] + q[d] * key[d];
+      }
+      float score = lanes_sum(lanes) * a.scale;
+      if (a.softcap != 0.0f) score = std::tanh(score / a.softcap) * a.softcap;
+      e[s] = score;
+      top = score > top ? score : top;
+    }
+    float* o = a.out + row * a.D;
+    if (top == -inf) {  // no key visible
+      for (int64_t d = 0; d < a.D; ++d) o[d] = std::numeric_limits<float>::quiet_NaN();
+      continue;
+    }
+    for (int64_t s = a.S; s < padded; ++s) e[s] = -inf;
+    for (int64_t s = 0; s < padded; s += kLanes) store16(e + s, exp_nonpositive(load16(e + s) - top));
+    float total = 0.0f;
+    if constexpr (C > 0) {
+      f16x sum[C];
+      for (int c = 0; c < C; ++c) sum[c] = f16x{};
+      for (int64_t s = 0; s < a.S; ++s) {
+        const float w = e[s];
+        if (w == 0.0f) continue;
+        total = total + w;
+        const float* value = vbase + s * a.D;
+        for (int c = 0; c < C; ++c) sum[c] = sum[c] + splat(w) * load16(value + c * kLanes);
+      }
+      const float inv = 1.0f / total;
+      for (int c = 0; c < C; ++c) store16(o + c * kLanes, sum[c] * inv);
+    } else {
+      for (int64_t d = 0; d < a.D; ++d) acc[d] = 0.0f;
+      for (int64_t s = 0; s < a.S; ++s) {
+        const float w = e[s];
+        if (w == 0.0f) continue;
+        total = total + w;
+        const float* value = vbase + s * a.D;
+        for (int64_t c = 0; c < chunks; ++c)
+          store16(acc + c * kLanes, load16(acc + c * kLanes) + splat(w) * load16(value + c * kLanes));
+        for (int64_t d = chunks * kLanes; d < a.D; ++d) acc[d] = acc[d] + w * value[d];
+      }
+      const float inv = 1.0f / total;
+      for (int64_t d = 0; d < a.D; ++d) o[d] = acc[d] * inv;
+    }
+  }
+}
+
+inline void attention_rows_impl(const AttentionArgs& a, int64_t r0, int64_t r1, float* scratch) {
+  switch (a.D) {  // the head sizes of common models, with their accumulators in registers
+    case 64: attention_rows_of<4>(a, r0, r1, scratch); break;
+    case 80: attention_rows_of<5>(a, r0, r1, scratch); break;
+    case 96: attention_rows_of<6>(a, r0, r1, scratch); break;
+    case 128: attention_rows_of<8>(a, r0, r1, scratch); break;
+    case 256: attention_rows_of<16>(a, r0, r1, scratch); break;
+    default: attention_rows_of<0>(a, r0, r1, scratch); break;
+  }
+}
+
+}  // namespace
+}  // namespace trtspec_gguf
