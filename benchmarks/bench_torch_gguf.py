@@ -8,7 +8,8 @@
 --engines are built engines of any backend (`trtspec build --backend torch` is the AOTInductor package);
 --backends are torch.compile backends of trtspec.compile(export, weights="gguf"), compiled in this process.
 
-2 threads, one row, medians of --reps rounds that alternate the engines. Writes benchmarks/results/torch-gguf.{json,md}
+2 threads, one row, medians of --reps rounds that alternate the engines. Writes benchmarks/results/<--out>.{json,md}
+(default torch-gguf)
 with the CPU model and ISA, and the torch profiler's top operators of an eager decode call.
 """
 
@@ -56,6 +57,7 @@ def main() -> None:
     ap.add_argument("--activations", nargs="*", default=["int8", "float"], choices=["int8", "float"])
     ap.add_argument("--position", type=int, default=100)
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--out", default="torch-gguf", help="results file name under benchmarks/results/")
     args = ap.parse_args()
     torch.set_num_threads(2)
     engines, load_s = {}, {}
@@ -97,7 +99,7 @@ def main() -> None:
               "first_calls_s": first_call_s, "max_seq_len": json.loads((args.export / "manifest.json").read_text())[
                   "model"]["max_seq_len"], "profile_eager_int8_decode": _profile(eager, p) if eager else None}
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "torch-gguf.json").write_text(json.dumps(result, indent=2))
+    (RESULTS / f"{args.out}.json").write_text(json.dumps(result, indent=2))
     lines = [f"CPU: {result['cpu']['model']}; ISA: {' '.join(result['cpu']['isa'])}; 2 threads; one row at position "
              f"{p}; S_max {result['max_seq_len']}; medians of {args.reps} alternating rounds (ms, and x the engine's "
              "own decode call).", "", "| engine | " + " | ".join(f"T={n}" for n in TOKENS) + " |",
@@ -116,7 +118,7 @@ def main() -> None:
         lines += [f"| {r['op']} | {r['ms_per_call']:.2f} | {r['calls_per_call']:.0f} |"
                   for r in result["profile_eager_int8_decode"]]
     text = "\n".join(lines) + "\n"
-    (RESULTS / "torch-gguf.md").write_text(text)
+    (RESULTS / f"{args.out}.md").write_text(text)
     print(text)
 
 
