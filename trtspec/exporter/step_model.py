@@ -15,6 +15,7 @@ holds after the call's write (contract.cache_slots says why that is exact, rollb
 from __future__ import annotations
 
 import inspect
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -79,7 +80,7 @@ class StepModel(nn.Module):
 
     def __init__(self, hf_model: nn.Module, spec: ArchSpec, max_seq_len: int, *, in_place_cache: bool = False,
                  cache_slots: list[int] | None = None, tree: bool = False, hidden_layers: list[int] | None = None,
-                 fuse_projections=False, rowwise_attention: bool = False):
+                 fuse_projections: bool | Callable = False, rowwise_attention: bool = False):
         super().__init__()
         self.spec = spec
         # rowwise_attention: attention one query row at a time (rowwise_attention(): trtspec's attention_rows op),
@@ -286,10 +287,8 @@ class StepModel(nn.Module):
             masks = self.tree_masks(position_ids, past[0])
             past = past[1:]
         else:
-            # the torch engine may pass its full caches cut to the call's live length (CachedStep): attention then
-            # reads only those slots. Never in the export, whose cache inputs must feed nothing but their write.
-            if live is None and self.in_place_cache and self.max_seq_len in self.cache_slots:
-                live = past[2 * self.cache_slots.index(self.max_seq_len)].shape[-2]  # (a cut past: the capacity or less)
+            # the torch engines pass `live` (CachedStep, AOTStep): attention then reads only those slots. Never in the
+            # export, whose cache inputs must feed nothing but their write.
             masks = self.masks(position_ids, live)
         h = self.embed(input_ids)
         rope = None

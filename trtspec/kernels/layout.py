@@ -3,8 +3,8 @@
 Output columns in panels of 16; per panel, every group of G weights along K in order, each group its codes (16
 columns x G, a column's 4 consecutive k in one int32 lane), then the 16 columns' scales, then their minimums where
 the type has them: float16 where every scale and minimum of the tensor is one exactly (the legacy types, whose d and
-m are the file's float16), else float32 (a K-quant's d * sc). Codes keep their bits: two 4-bit codes a byte, 5- and 6-bit codes as a nibble
-plus a plane of their high bits, Q8_0's bytes as they are.
+m are the file's float16), else float32 (a K-quant's d * sc). Codes keep their bits: two 4-bit codes a byte, 5- and
+6-bit codes as a nibble plus a plane of their high bits, Q8_0's bytes as they are.
 """
 
 from __future__ import annotations
