@@ -19,23 +19,10 @@
 #include <limits>
 
 #include "gguf_linear.h"
+#include "vec16.h"
 
 namespace trtspec_gguf {
 namespace {
-
-constexpr int kLanes = 16;
-typedef float f16x __attribute__((vector_size(64)));
-typedef int32_t i16x __attribute__((vector_size(64)));
-
-inline f16x load16(const float* p) {
-  f16x v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline void store16(float* p, f16x v) { std::memcpy(p, &v, sizeof(v)); }
-
-inline f16x splat(float x) { return f16x{} + x; }
 
 // The sum of a vector's lanes: lane l adds lane l + 8, then l + 4, l + 2, l + 1; lane 0 holds the total.
 inline float lanes_sum(f16x v) {

@@ -39,6 +39,12 @@ inline __m256i codes_of(const uint8_t* group, int s, int h) {
   }
 }
 
+// The lines kPrefetchBytes past this group's (gguf_linear.h).
+inline void prefetch_group(const Weights& w, const uint8_t* group) {
+  const char* ahead = reinterpret_cast<const char*>(group) + kPrefetchBytes;
+  for (int64_t j = 0; j < w.group_bytes; j += 64) _mm_prefetch(ahead + j, _MM_HINT_T0);
+}
+
 // Scales (or minimums) of columns 8h .. 8h + 7 from the 16 at p, as float32 (float16 converted exactly).
 inline __m256 floats_at(const Weights& w, const uint8_t* p, int h) {
   return w.half_scales ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p) + h))
@@ -55,6 +61,7 @@ void int8_rows(const Weights& w, const uint8_t* panel, const Int8Rows& x, int64_
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < w.groups; ++g) {
       const uint8_t* group = panel + g * w.group_bytes;
+      prefetch_group(w, group);
       const int32_t* a0 = x.q + g * S * x.m + r0;  // step s, row r: a0[s * m + r]
       __m256i dot[R], part[R];
       for (int r = 0; r < R; ++r) dot[r] = part[r] = _mm256_setzero_si256();
@@ -98,6 +105,7 @@ void float_rows(const Weights& w, const uint8_t* panel, const FloatRows& x, int6
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < w.groups; ++g) {
       const uint8_t* group = panel + g * w.group_bytes;
+      prefetch_group(w, group);
       const float* xg = x.xt + g * G * x.m + r0;  // k = g * G + i, row r: xg[i * m + r]
       const __m256 scale = floats_at(w, group + w.codes_bytes, h);
       const __m256 minimum = w.has_min

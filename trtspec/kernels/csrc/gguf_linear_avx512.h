@@ -41,13 +41,22 @@ inline __m512i codes_of(const uint8_t* group, int s) {
   }
 }
 
+// The lines kPrefetchBytes past this group's (gguf_linear.h).
+inline void prefetch_group(const Weights& w, const uint8_t* group) {
+  const char* ahead = reinterpret_cast<const char*>(group) + kPrefetchBytes;
+  for (int64_t j = 0; j < w.group_bytes; j += 64) _mm_prefetch(ahead + j, _MM_HINT_T0);
+}
+
 // The 16 scales (or minimums) at p, as float32: float16 converted exactly, or float32 as stored.
 inline __m512 floats_at(const Weights& w, const uint8_t* p) {
   return w.half_scales ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))
                        : _mm512_loadu_ps(reinterpret_cast<const float*>(p));
 }
 
-// maddubs needs an unsigned left operand: a signed code's sign moves onto the activation.
+// maddubs and vpdpbusd need an unsigned left operand. Without VNNI a signed code's sign moves onto the activation
+// (per row and step; maddubs' int16 sums would overflow on codes up to 255). With VNNI, whose sums are int32, the
+// code is offset by 128 instead (q ^ 0x80, once per step for all rows), and the call rounds its activations with a
+// zero point 128 higher (Path::code_offset in ops.cpp), so idot = sum (q + 128) a - (zero + 128) sum a is unchanged.
 inline __m512i abs_codes(__m512i q) { return _mm512_abs_epi8(q); }
 inline __m512i signed_like(__m512i a, __m512i q) {
   return _mm512_mask_sub_epi8(a, _mm512_movepi8_mask(q), _mm512_setzero_si512(), a);
@@ -61,6 +70,7 @@ void int8_rows(const Weights& w, const uint8_t* panel, const Int8Rows& x, int64_
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < w.groups; ++g) {
     const uint8_t* group = panel + g * w.group_bytes;
+    prefetch_group(w, group);
     const int32_t* a0 = x.q + g * S * x.m + r0;  // step s, row r: a0[s * m + r]
     __m512i dot[R];
     for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
@@ -76,14 +86,18 @@ void int8_rows(const Weights& w, const uint8_t* panel, const Int8Rows& x, int64_
 #pragma GCC unroll 8
     for (int s = 0; s < S; ++s) {
       __m512i q = codes_of<BITS>(group, s);
+#ifdef TRTSPEC_VNNI
+      const __m512i uq = BITS == 8 ? _mm512_xor_si512(q, _mm512_set1_epi8(static_cast<char>(0x80))) : q;
+#else
       const __m512i uq = BITS == 8 ? abs_codes(q) : q;
+#endif
       for (int r = 0; r < R; ++r) {
         __m512i a = _mm512_set1_epi32(a0[s * x.m + r]);
-        if constexpr (BITS == 8) a = signed_like(a, q);
 #ifdef TRTSPEC_VNNI
         if (s % 2) odd[r] = _mm512_dpbusd_epi32(odd[r], uq, a);
         else dot[r] = _mm512_dpbusd_epi32(dot[r], uq, a);
 #else
+        if constexpr (BITS == 8) a = signed_like(a, q);
         part[r] = _mm512_add_epi16(part[r], _mm512_maddubs_epi16(uq, a));
         if ((s + 1) % kInt16Steps<BITS> == 0) {
           dot[r] = _mm512_add_epi32(dot[r], _mm512_madd_epi16(part[r], ones));
@@ -117,6 +131,7 @@ void float_rows(const Weights& w, const uint8_t* panel, const FloatRows& x, int6
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < w.groups; ++g) {
     const uint8_t* group = panel + g * w.group_bytes;
+    prefetch_group(w, group);
     const float* xg = x.xt + g * G * x.m + r0;  // k = g * G + i, row r: xg[i * m + r]
     const __m512 scale = floats_at(w, group + w.codes_bytes);
     const __m512 minimum = w.has_min ? floats_at(w, group + w.codes_bytes + w.floats_bytes) : _mm512_setzero_ps();

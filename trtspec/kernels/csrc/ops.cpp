@@ -19,6 +19,7 @@ namespace {
 struct Path {
   const char* name;
   bool (*supported)();
+  int code_offset;  // added to an 8-bit code by the int8 kernel, so the rounding's zero point is this much higher
   Int8Kernel int8;
   FloatKernel floats;
   Quantizer quantize;
@@ -34,10 +35,10 @@ bool has_avx512vnni() { return has_avx512() && __builtin_cpu_supports("avx512vnn
 
 // Fastest first.
 const Path kPaths[] = {
-    {"avx512vnni", has_avx512vnni, int8_avx512vnni, float_avx512, quantize_avx512, attention_avx512},
-    {"avx512", has_avx512, int8_avx512, float_avx512, quantize_avx512, attention_avx512},
-    {"avx2", has_avx2, int8_avx2, float_avx2, quantize_avx2, attention_avx2},
-    {"reference", always, int8_reference, float_reference, quantize_reference, attention_reference},
+    {"avx512vnni", has_avx512vnni, 128, int8_avx512vnni, float_avx512, quantize_avx512, attention_avx512},
+    {"avx512", has_avx512, 0, int8_avx512, float_avx512, quantize_avx512, attention_avx512},
+    {"avx2", has_avx2, 0, int8_avx2, float_avx2, quantize_avx2, attention_avx2},
+    {"reference", always, 0, int8_reference, float_reference, quantize_reference, attention_reference},
 };
 
 const Path* best_path() {
@@ -102,8 +103,9 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
     const float* xp = x2.data_ptr<float>();
     // split along K, never between rows: the rows of a chunk share cache lines (Int8Rows), and threads writing
     // one line each made a 17-row call's rounding cost more than its matmul; under 16K values it is one thread's
+    const int zero = w.zero + (bits == 8 ? path->code_offset : 0);
     at::parallel_for(0, k / 32, std::max<int64_t>(1, 512 / m), [&](int64_t b0, int64_t b1) {
-      path->quantize(xp, m, k, group, w.zero, b0, b1, qp, zp, fp, sp);
+      path->quantize(xp, m, k, group, zero, b0, b1, qp, zp, fp, sp);
     });
     const Int8Rows rows{qp, zp, fp, sp, m};
     at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) { path->int8(w, rows, yp, ldy, p0, p1); });
