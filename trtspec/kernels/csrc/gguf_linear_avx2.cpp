@@ -137,8 +137,8 @@ void panels(const Weights& w, const X& x, int64_t m, float* y, int64_t ldy, int6
   for (int64_t p = p0; p < p1; ++p) {
     const uint8_t* panel = w.data + p * panel_bytes;
     const int64_t col0 = p * kPanel;
-    for (int64_t r = 0; r < m; r += kMaxRows) {
-      const int64_t n = m - r < kMaxRows ? m - r : kMaxRows;
+    for (int64_t r = 0, n; r < m; r += n) {
+      n = tile_rows(m - r, kMaxRows);
       if constexpr (INT8) {
         switch (n) {
           case 4: int8_rows<BITS, 4>(w, panel, x, r, y, ldy, col0); break;

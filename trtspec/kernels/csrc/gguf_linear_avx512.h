@@ -153,7 +153,7 @@ void float_rows(const Weights& w, const uint8_t* panel, const FloatRows& x, int6
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + (r0 + r) * ldy + col0, acc[r]);
 }
 
-// Rows R at a time, the last tile with a kernel of exactly its rows: a row's sums go through the same steps
+// A tile of R rows, with a kernel of exactly its rows (tile_rows picks R): a row's sums go through the same steps
 // whichever tile it lands in.
 template <int BITS, bool INT8, int R, typename X>
 inline void rows(const Weights& w, const uint8_t* panel, const X& x, int64_t r0, float* y, int64_t ldy, int64_t col0) {
@@ -167,8 +167,9 @@ void panels(const Weights& w, const X& x, int64_t m, float* y, int64_t ldy, int6
   for (int64_t p = p0; p < p1; ++p) {
     const uint8_t* panel = w.data + p * panel_bytes;
     const int64_t col0 = p * kPanel;
-    for (int64_t r = 0; r < m; r += kMaxRows) {
-      switch (m - r < kMaxRows ? m - r : kMaxRows) {
+    for (int64_t r = 0, n; r < m; r += n) {
+      n = tile_rows(m - r, kMaxRows);
+      switch (n) {
         case 8: rows<BITS, INT8, 8>(w, panel, x, r, y, ldy, col0); break;
         case 7: rows<BITS, INT8, 7>(w, panel, x, r, y, ldy, col0); break;
         case 6: rows<BITS, INT8, 6>(w, panel, x, r, y, ldy, col0); break;

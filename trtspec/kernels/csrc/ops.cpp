@@ -7,6 +7,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstdint>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -48,6 +50,54 @@ const Path* best_path() {
 }
 
 const Path* g_path = best_path();
+
+// f(i0, i1) over [0, n) on the pool's threads, balanced as they run: each thread takes its own contiguous share in
+// chunks from the front (a one-row call streams the weights in order, as the prefetch expects), and a thread done
+// with its share takes chunks from the back of the share with the most left. On a machine whose cores also run other
+// work, at::parallel_for's fixed equal shares left the faster thread waiting at the end of every call. Each index is
+// computed the same way whichever thread takes it, so the result never depends on the split.
+template <typename F>
+void parallel_chunks(int64_t n, const F& f) {
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
+  if (threads <= 1 || at::in_parallel_region()) {
+    if (n > 0) f(0, n);
+    return;
+  }
+  const int64_t chunk = std::max<int64_t>(1, n / (4 * threads));
+  // share t's [front, back) packed in one word (n < 2^31), so an owner and a thief never take the same index; a cache
+  // line each, so an owner taking from its share does not evict the others'
+  struct alignas(64) Share : std::atomic<uint64_t> {};
+  std::vector<Share> shares(threads);
+  auto pack = [](int64_t lo, int64_t hi) { return static_cast<uint64_t>(lo) << 32 | static_cast<uint64_t>(hi); };
+  for (int64_t t = 0; t < threads; ++t) shares[t].store(pack(n * t / threads, n * (t + 1) / threads));
+  // take up to `chunk` indices from share t's front (or back); false when it is empty
+  auto take = [&](int64_t t, bool front, int64_t& i0, int64_t& i1) {
+    uint64_t cur = shares[t].load();
+    for (;;) {
+      const int64_t lo = static_cast<int64_t>(cur >> 32), hi = static_cast<int64_t>(cur & 0xFFFFFFFFu);
+      if (lo >= hi) return false;
+      i0 = front ? lo : std::max(lo, hi - chunk);
+      i1 = front ? std::min(hi, lo + chunk) : hi;
+      if (shares[t].compare_exchange_weak(cur, front ? pack(i1, hi) : pack(lo, i0))) return true;
+    }
+  };
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      int64_t i0, i1;
+      while (take(t, true, i0, i1)) f(i0, i1);
+      for (;;) {  // steal from the share with the most left
+        int64_t victim = -1, most = 0;
+        for (int64_t v = 0; v < threads; ++v) {
+          const uint64_t cur = shares[v].load();
+          const int64_t left = static_cast<int64_t>(cur & 0xFFFFFFFFu) - static_cast<int64_t>(cur >> 32);
+          if (left > most) most = left, victim = v;
+        }
+        if (victim < 0) break;
+        if (take(victim, false, i0, i1)) f(i0, i1);
+      }
+    }
+  });
+}
 
 int64_t codes_bytes_of(int64_t bits, int64_t group) {
   const int64_t steps = group / 4;
@@ -108,11 +158,11 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
       path->quantize(xp, m, k, group, zero, b0, b1, qp, zp, fp, sp);
     });
     const Int8Rows rows{qp, zp, fp, sp, m};
-    at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) { path->int8(w, rows, yp, ldy, p0, p1); });
+    parallel_chunks(panels, [&](int64_t p0, int64_t p1) { path->int8(w, rows, yp, ldy, p0, p1); });
   } else {
     const at::Tensor xt = m == 1 ? x2 : x2.t().contiguous();  // [k, m]
     const FloatRows rows{xt.data_ptr<float>(), m};
-    at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) { path->floats(w, rows, yp, ldy, p0, p1); });
+    parallel_chunks(panels, [&](int64_t p0, int64_t p1) { path->floats(w, rows, yp, ldy, p0, p1); });
   }
   if (ldy != n) y = y.narrow(1, 0, n).contiguous();
   return y.view(out_shape);
@@ -144,7 +194,7 @@ at::Tensor attention_rows(const at::Tensor& q, const at::Tensor& k, const at::Te
                   mask.stride(0), mask.stride(2), mask.stride(3), static_cast<float>(scale),
                   static_cast<float>(softcap)};
   const Path* path = g_path;
-  at::parallel_for(0, B * H * T, 1, [&](int64_t r0, int64_t r1) {
+  parallel_chunks(B * H * T, [&](int64_t r0, int64_t r1) {
     std::vector<float> scratch((S + 15) / 16 * 16 + D);
     path->attention(a, r0, r1, scratch.data());
   });
