@@ -19,7 +19,7 @@ gguf = pytest.importorskip("gguf", reason="pip install 'trtspec[gguf]'")
 from trtspec import kernels  # noqa: E402
 from trtspec.testing import gguf_blocks  # noqa: E402
 
-ROWS = (1, 2, 5, 17, 32)
+ROWS = (1, 2, 5, 12, 17, 32)  # tiles: 12 is one of the widest (VNNI), 17 two, 32 three
 PATHS = kernels.paths()
 
 

@@ -1,9 +1,10 @@
 // Attention one query row at a time, in an order fixed per row: a row's result is the same bits whatever the
 // call's number of rows and threads, and on every instruction set. The arithmetic is written on GCC's vectors of
-// 16 floats, lane by lane with no fused multiply-add; each ISA file includes this after its own #pragma GCC
-// target, and the compiler makes one zmm, two ymm or scalar code of it with the same IEEE steps per lane. The int8-activation builds need that: their verify call's
-// logits must equal the decode call's. It replaces a graph of products and sums whose compiled loops divided once
-// per key and head-dim chunk, and recomputed the rotary embedding per key.
+// 16 floats (vec16.h), lane by lane with no fused multiply-add; each ISA file includes this after its own
+// #pragma GCC target, and the compiler makes one zmm, two ymm or scalar code of it with the same IEEE steps per
+// lane. The int8-activation builds need that: their verify call's logits must equal the decode call's. It replaces
+// a graph of products and sums whose compiled loops divided once per key and head-dim chunk, and recomputed the
+// rotary embedding per key.
 //
 // Per row (b, h, t), kh = h / (H / Hkv) its key head, over the keys s with mask[b, t, s]:
 //   score_s = dot(q, k_s) * scale      dot: 16 lanes, lane l summing d = l, l + 16, ... in order, then the lanes
@@ -31,6 +32,38 @@ inline float lanes_sum(f16x v) {
   v = v + __builtin_shuffle(v, i16x{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
   v = v + __builtin_shuffle(v, i16x{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
   return v[0];
+}
+
+// lanes_sum of 16 keys' lane vectors at once, lane j of the result key j's: the same additions of the same pairs
+// (lane l with l + 8, then l + 4, l + 2, l + 1), done on two keys' halves per vector, so 16 keys take 30 shuffles
+// instead of 64. `dot(j)` gives key j's lanes; keys are taken in an order that keeps few vectors alive.
+template <typename Dot>
+inline f16x lanes_sums16(const Dot& dot) {
+  // two vectors' lanes: a's from ia, b's from ib (indices 16 .. 31 name b's lanes)
+  auto pair_sum = [](f16x a, f16x b, i16x ia, i16x ib) {
+    return __builtin_shuffle(a, b, ia) + __builtin_shuffle(a, b, ib);
+  };
+  // step 1, keys j and j + 8: lanes 0-7 key j's l + (l + 8), lanes 8-15 key j + 8's
+  const i16x s1a{0, 1, 2, 3, 4, 5, 6, 7, 24, 25, 26, 27, 28, 29, 30, 31};
+  const i16x s1b{8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23};
+  // step 2, halves of (j, j + 8) and (j + 4, j + 12): quarters of keys j, j + 4, j + 8, j + 12: l + (l + 4)
+  const i16x s2a{0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
+  const i16x s2b{4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
+  // step 3, quarters of j.. and j + 2..: lane pairs of keys j, j + 2, j + 4, ... j + 14: l + (l + 2)
+  const i16x s3a{0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+  const i16x s3b{2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
+  // step 4, the even keys' pairs and the odd keys': l + (l + 1), lane j key j
+  const i16x s4a{0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
+  const i16x s4b{1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
+  f16x quarters[4];
+  for (int j = 0; j < 4; ++j) {
+    const f16x low = pair_sum(dot(j), dot(j + 8), s1a, s1b);
+    const f16x high = pair_sum(dot(j + 4), dot(j + 12), s1a, s1b);
+    quarters[j] = pair_sum(low, high, s2a, s2b);
+  }
+  const f16x even = pair_sum(quarters[0], quarters[2], s3a, s3b);
+  const f16x odd = pair_sum(quarters[1], quarters[3], s3a, s3b);
+  return pair_sum(even, odd, s4a, s4b);
 }
 
 // exp(x) for x <= 0 (scores minus their maximum), 16 at a time: 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2, p exp's
@@ -72,7 +105,34 @@ void attention_rows_of(const AttentionArgs& a, int64_t r0, int64_t r1, float* __
     f16x qv[C ? C : 1];
     for (int c = 0; c < C; ++c) qv[c] = load16(q + c * kLanes);
     float top = -inf;
-    for (int64_t s = 0; s < a.S; ++s) {
+    int64_t s = 0;
+    if constexpr (C > 0) {  // 16 keys at a time (the same sums as one at a time below, fewer shuffles)
+      for (; s + kLanes <= a.S; s += kLanes) {
+        bool any = false;
+        for (int j = 0; j < kLanes; ++j) any |= m[(s + j) * a.ms];
+        if (!any) {
+          for (int j = 0; j < kLanes; ++j) e[s + j] = -inf;
+          continue;
+        }
+        const float* keys = kbase + s * a.D;
+        const f16x scores = lanes_sums16([&](int j) {
+          f16x lanes{};
+          for (int c = 0; c < C; ++c) lanes = lanes + qv[c] * load16(keys + j * a.D + c * kLanes);
+          return lanes;
+        }) * a.scale;
+        for (int j = 0; j < kLanes; ++j) {
+          float score = scores[j];
+          if (!m[(s + j) * a.ms]) {
+            score = -inf;
+          } else {
+            if (a.softcap != 0.0f) score = std::tanh(score / a.softcap) * a.softcap;
+            top = score > top ? score : top;
+          }
+          e[s + j] = score;
+        }
+      }
+    }
+    for (; s < a.S; ++s) {
       if (!m[s * a.ms]) {
         e[s] = -inf;
         continue;

@@ -3,8 +3,9 @@
 // linkage, so the two compilations never share a function.
 //
 // One zmm register is a panel's 16 columns: int32 lanes for the integer dot products, float32 lanes for the
-// sums. A call's rows go through a panel R at a time (R <= 8: 2R accumulators, plus R int16 partial sums without
-// VNNI, within the 32 registers), so the panel's bytes come from memory once and from L1 for the next R rows.
+// sums. A call's rows go through a panel R at a time, so the panel's bytes come from memory once and from L1 for the
+// next R rows: R <= 12 with VNNI (2R accumulators within the 32 registers), R <= 8 without (plus R int16 partial
+// sums).
 #include <immintrin.h>
 
 #include "gguf_linear.h"
@@ -12,7 +13,11 @@
 namespace trtspec_gguf {
 namespace {
 
+#ifdef TRTSPEC_VNNI
+constexpr int kMaxRows = 12;
+#else
 constexpr int kMaxRows = 8;
+#endif
 
 template <int BITS> constexpr int kGroup = BITS == 6 ? 16 : 32;
 template <int BITS> constexpr int kSteps = kGroup<BITS> / 4;
@@ -80,8 +85,11 @@ void int8_rows(const Weights& w, const uint8_t* panel, const Int8Rows& x, int64_
     for (int r = 0; r < R; ++r) part[r] = _mm512_setzero_si512();
 #endif
 #ifdef TRTSPEC_VNNI
-    __m512i odd[R];  // a second chain of vpdpbusd for odd steps (integer sums: the order changes nothing)
-    for (int r = 0; r < R; ++r) odd[r] = _mm512_setzero_si512();
+    // under 5 rows, a second chain of vpdpbusd for odd steps keeps more sums in flight (integer sums: the order
+    // changes nothing); 5 rows and more are enough chains, and need the registers
+    constexpr bool kOdd = R < 5;
+    __m512i odd[kOdd ? R : 1];
+    for (int r = 0; r < (kOdd ? R : 1); ++r) odd[r] = _mm512_setzero_si512();
 #endif
 #pragma GCC unroll 8
     for (int s = 0; s < S; ++s) {
@@ -94,7 +102,7 @@ void int8_rows(const Weights& w, const uint8_t* panel, const Int8Rows& x, int64_
       for (int r = 0; r < R; ++r) {
         __m512i a = _mm512_set1_epi32(a0[s * x.m + r]);
 #ifdef TRTSPEC_VNNI
-        if (s % 2) odd[r] = _mm512_dpbusd_epi32(odd[r], uq, a);
+        if (kOdd && s % 2) odd[r] = _mm512_dpbusd_epi32(odd[r], uq, a);
         else dot[r] = _mm512_dpbusd_epi32(dot[r], uq, a);
 #else
         if constexpr (BITS == 8) a = signed_like(a, q);
@@ -107,7 +115,8 @@ void int8_rows(const Weights& w, const uint8_t* panel, const Int8Rows& x, int64_
       }
     }
 #ifdef TRTSPEC_VNNI
-    for (int r = 0; r < R; ++r) dot[r] = _mm512_add_epi32(dot[r], odd[r]);
+    if constexpr (kOdd)
+      for (int r = 0; r < R; ++r) dot[r] = _mm512_add_epi32(dot[r], odd[r]);
 #endif
     const __m512 scale = floats_at(w, group + w.codes_bytes);
     const __m512 minimum = w.has_min ? floats_at(w, group + w.codes_bytes + w.floats_bytes) : _mm512_setzero_ps();
@@ -170,6 +179,12 @@ void panels(const Weights& w, const X& x, int64_t m, float* y, int64_t ldy, int6
     for (int64_t r = 0, n; r < m; r += n) {
       n = tile_rows(m - r, kMaxRows);
       switch (n) {
+#ifdef TRTSPEC_VNNI
+        case 12: rows<BITS, INT8, 12>(w, panel, x, r, y, ldy, col0); break;
+        case 11: rows<BITS, INT8, 11>(w, panel, x, r, y, ldy, col0); break;
+        case 10: rows<BITS, INT8, 10>(w, panel, x, r, y, ldy, col0); break;
+        case 9: rows<BITS, INT8, 9>(w, panel, x, r, y, ldy, col0); break;
+#endif
         case 8: rows<BITS, INT8, 8>(w, panel, x, r, y, ldy, col0); break;
         case 7: rows<BITS, INT8, 7>(w, panel, x, r, y, ldy, col0); break;
         case 6: rows<BITS, INT8, 6>(w, panel, x, r, y, ldy, col0); break;

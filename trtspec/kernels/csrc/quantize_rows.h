@@ -1,10 +1,10 @@
-// Activations to int8 per block of 32 along K (blocks [b0, b1) of every row: a thread's share is a range of K, so two
-// threads never write the same cache line of the interleaved rows), as the int8 kernels read them: scale d = amax / 127, code
-// rint(x / d) computed as x * (1 / d) rounded half to even (adding and subtracting 1.5 * 2^23 rounds any
-// |v| < 2^22 in the default rounding mode, as numpy's rint does), and each group's sum of codes. Written on GCC's
-// vectors (vec16.h), included by each ISA file so that its compiler target makes one zmm, two ymm or scalar code of
-// it; the maximum and the sums are exact in any order and the IEEE steps are the same per lane, so every path rounds
-// identically.
+// Activations to int8 per block of 32 along K, as the int8 kernels read them: blocks [b0, b1) of every row (a
+// thread's share is a range of K, so two threads never write the same cache line of the interleaved rows). Scale
+// d = amax / 127, code rint(x / d) computed as x * (1 / d) rounded half to even (adding and subtracting 1.5 * 2^23
+// rounds any |v| < 2^22 in the default rounding mode, as numpy's rint does), and each group's sum of codes.
+// Written on GCC's vectors (vec16.h) and included by each ISA file, so that its compiler target makes one zmm, two
+// ymm or scalar code of it; the maximum and the sums are exact in any order and the IEEE steps are the same per
+// lane, so every path rounds identically.
 #pragma once
 #include <cstdint>
 #include <cstring>
