@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import MAX_BATCH, Server
-from trtspec import Generator, Scheduler, VocabularyMismatchError, export, load_engine
+from trtspec import Generator, Scheduler, export, load_engine
 from trtspec.runtime.stop_rule import RequestOutput
 from trtspec.runtime.tokenizer import load_tokenizer
 from trtspec.server import create_app
@@ -267,23 +267,3 @@ def test_several_stop_strings_in_one_block_cut_at_the_earliest_start(pair):
         taken = out.extend(ids)  # one block of all tokens: the rule finds the token that completes "range"
         assert out.finish_reason == "stop" and out.text == text
         assert "range" in tok.decode(ids[:taken]) and "range" not in tok.decode(ids[: taken - 1])
-
-
-def test_a_tokenizer_with_other_merges_but_the_same_size_is_a_vocabulary_mismatch(tmp_path):
-    from transformers import AutoModelForCausalLM
-
-    from trtspec.testing import make_tokenizer, tiny_config
-
-    def model_with(tokenizer, name):
-        model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=len(tokenizer) + 16))
-        model.save_pretrained(tmp_path / name)
-        tokenizer.save_pretrained(tmp_path / name)
-        return export(tmp_path / name, tmp_path / f"{name}-export", max_seq_len=32, max_batch=1)
-
-    ours = make_tokenizer()
-    theirs = make_tokenizer(corpus=["lorem ipsum dolor sit amet, consectetur adipiscing elit " * 3,
-                                    "SELECT name FROM users WHERE id = 42;"])
-    assert len(ours) == len(theirs) and ours.special_tokens_map == theirs.special_tokens_map
-    assert ours.get_vocab() != theirs.get_vocab()
-    with pytest.raises(VocabularyMismatchError, match="tokens map to different ids"):
-        Generator(model_with(ours, "a"), model_with(theirs, "b"))
