@@ -1,0 +1,75 @@
+"""runtime/sampling.py: temperature, top-k and top-p as HF applies them, refused parameters, the inverse-CDF draw,
+and the log-probabilities a request reports."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from test_verify import ALPHA, _chi_square_p_value
+from trtspec.runtime.sampling import SamplingParams, log_probs, logprob_entry, sample
+
+
+def _hf_probs(logits: np.ndarray, temperature: float, top_k: int | None, top_p: float | None) -> np.ndarray:
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    x = torch.from_numpy(logits.astype(np.float64))
+    x = TemperatureLogitsWarper(temperature)(None, x)
+    if top_k is not None:
+        x = TopKLogitsWarper(top_k)(None, x)
+    if top_p is not None:
+        x = TopPLogitsWarper(top_p)(None, x)
+    return torch.softmax(x, dim=-1).numpy()
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, None, None), (0.7, None, None), (1.3, 5, None),
+                                                       (0.9, None, 0.8), (1.5, 12, 0.6), (0.5, 1, None)])
+def test_probs_equal_hf_generates_warpers(temperature, top_k, top_p):
+    logits = np.random.default_rng(3).standard_normal((6, 64)).astype(np.float32) * 3
+    ours = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p).probs(logits)
+    np.testing.assert_allclose(ours, _hf_probs(logits, temperature, top_k, top_p), rtol=1e-9, atol=1e-12)
+    assert np.allclose(ours.sum(-1), 1.0)
+    if top_k is not None:
+        assert ((ours > 0).sum(-1) <= top_k).all()
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"temperature": -0.1}, "temperature must be a finite number >= 0"),
+    ({"temperature": float("nan")}, "temperature must be a finite number >= 0"),
+    ({"temperature": 1.0, "top_k": 0}, "top_k must be an integer >= 1"),
+    ({"temperature": 1.0, "top_p": 1.5}, "top_p must be in \\(0, 1\\]"),
+    ({"top_k": 5}, "only apply when sampling"),
+    ({"presence_penalty": 3.0}, "presence_penalty must be a number in \\[-2, 2\\]"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty must be a number in \\(0, 10\\]"),
+    ({"logit_bias": ((-1, 1.0),)}, "logit_bias keys must be token ids"),
+    ({"logit_bias": ((3, 101.0),)}, "logit_bias values must be numbers in \\[-100, 100\\]"),
+    ({"min_tokens": -1}, "min_tokens must be an integer >= 0"),
+    ({"logprobs": 21}, "logprobs must be an integer in \\[0, 20\\]"),
+])
+def test_invalid_parameters_are_refused_saying_what_is_allowed(options, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**options)
+
+
+def test_sample_draws_from_the_distribution():
+    probs = np.array([0.05, 0.0, 0.4, 0.15, 0.3, 0.1])
+    rng = np.random.default_rng(11)
+    counts = Counter(sample(probs, rng) for _ in range(20000))
+    assert counts[1] == 0  # a token of probability 0 is never drawn
+    assert _chi_square_p_value(counts, {t: p for t, p in enumerate(probs) if p > 0}) > ALPHA
+
+
+def test_reported_log_probs_are_those_of_the_distribution_drawn_from():
+    logits = np.random.default_rng(5).standard_normal(40).astype(np.float32)
+    greedy = log_probs(SamplingParams(), logits)
+    np.testing.assert_allclose(greedy, torch.log_softmax(torch.from_numpy(logits).double(), -1).numpy(), atol=1e-12)
+    params = SamplingParams(temperature=0.8, top_k=7)
+    sampled = log_probs(params, logits)
+    assert np.isinf(sampled).sum() == 40 - 7  # filtered tokens cannot be drawn
+    np.testing.assert_allclose(np.exp(sampled), params.probs(logits), atol=1e-15)
+    token, value, top = logprob_entry(greedy, 3, 4)
+    assert (token, value) == (3, float(greedy[3]))
+    assert [t for t, _ in top] == list(np.argsort(-greedy)[:4]) and [v for _, v in top] == sorted(greedy)[::-1][:4]
