@@ -7,7 +7,6 @@ import json
 import pytest
 
 from conftest import ARCHITECTURES, S_MAX
-import trtspec
 from trtspec import CapacityError, Generator
 from trtspec.cli import main
 
@@ -98,20 +97,6 @@ def test_cli_generate_no_stream_prints_the_text_once_complete(exported, capsys):
                  "--no-stream"]) == 0
     expected = Generator(exported("llama")).generate(PROMPTS[0], max_new_tokens=6).text
     assert capsys.readouterr().out == PROMPTS[0] + expected + "\n---\n"
-
-
-def test_trtspec_generate_is_the_generators_output_in_one_call(exported):
-    target = exported("llama")
-    want = Generator(target).generate(PROMPTS[0], max_new_tokens=6)
-    assert trtspec.generate(target, PROMPTS[0], max_new_tokens=6).token_ids == want.token_ids
-    batch = trtspec.generate(target, [PROMPTS[0], PROMPTS[2]], max_new_tokens=6)
-    assert batch[0].token_ids == want.token_ids and batch.stats.new_tokens == sum(len(r.token_ids) for r in batch)
-    stream = trtspec.generate(target, PROMPTS[0], max_new_tokens=6, stream=True)
-    assert "".join(stream) == want.text and stream.result.token_ids == want.token_ids
-    with pytest.raises(ValueError, match="system goes with chat"):
-        trtspec.generate(target, "x", system="be brief")
-    with pytest.raises(ValueError, match="stream takes one prompt"):
-        trtspec.generate(target, ["a", "b"], stream=True)
 
 
 def test_cli_reports_bad_input_as_an_error_message(tmp_path, capsys):
