@@ -283,3 +283,13 @@ def test_trtspec_imports_only_downward_between_its_layers():
     modules = module_files()
     found = layer_violations(import_graph(modules), modules)
     assert not found, f"{len(found)} import(s) against the layer order (tests/test_imports.py: LAYERS):\n" + "\n".join(found)
+
+
+def test_every_runtime_module_and_drafter_has_a_test_file_named_for_it():
+    """A module's tests are found by its name: tests/test_<module>.py for each runtime module and each drafter."""
+    tests = Path(__file__).resolve().parent
+    missing = [f"{module.relative_to(PACKAGE.parent)} -> tests/test_{module.stem}.py"
+               for folder in (PACKAGE / "runtime", PACKAGE / "runtime" / "drafters")
+               for module in sorted(folder.glob("*.py"))
+               if module.stem not in ("__init__", "base") and not (tests / f"test_{module.stem}.py").exists()]
+    assert not missing, "modules without a test file named for them:\n" + "\n".join(missing)
