@@ -103,3 +103,20 @@ def test_the_load_aware_policy_picks_trees_only_where_the_wider_call_pays():
             policy.record_round(1, k, 2.5, 5e-3)
         policy.record_round(1, 0, 1, 3e-3)
     assert policy.choose_shape(1, caps)[1] == 1
+
+
+def test_a_plain_stretch_lasts_until_the_policys_next_try_of_a_neighbour():
+    policy = LoadAwareK(4, [1, 2, 3, 4])
+    for k in (1, 2, 3, 4):  # drafts never pay: k = 0 is the best
+        policy.target.record(1, k + 1, 0.010 * (1 + k))
+        for _ in range(4):
+            policy.record_round(1, k, 1, 0.010 * (1 + k) + 0.002 * k)
+    policy.target.record(1, 1, 0.010)
+    for _ in range(4):
+        policy.record_round(1, 0, 1, 0.010)
+    caps = np.array([4])
+    assert policy.choose(1, caps) == 0
+    stretch = policy.plain_stretch(1)
+    assert stretch == 16 - 1  # the gap between tries, less the look that chose k = 0
+    assert policy.choose(1, caps) == 1  # the look after the stretch tries a neighbour
+    assert policy.choose(1, caps) == 0 and policy.plain_stretch(1) == 32 - 1  # the gap doubled: the best held

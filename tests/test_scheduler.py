@@ -147,6 +147,7 @@ def test_the_lone_row_loop_feeds_the_load_aware_policy_what_the_batch_path_does(
         gen.scheduler.lone_row_loops = loops
         policy, log, script = gen.scheduler.policy, [], itertools.cycle([0, 3, 1, 4, 0, 0, 2])
         policy.choose_shape = lambda b, caps, seen=None, sampled=False: (min(next(script), int(caps.max())), 1)
+        policy.plain_stretch = lambda b, sampled=False: 1  # each k = 0 one plain round (stretches: the test below)
         for name in ("record_round", "record_acceptance"):
             method = getattr(policy, name)
             setattr(policy, name, lambda *a, _m=method, _n=name: log.append((_n, *a[:3])) or _m(*a))
@@ -159,6 +160,30 @@ def test_the_lone_row_loop_feeds_the_load_aware_policy_what_the_batch_path_does(
     assert logs[0] == logs[1]
     assert {entry[2] for entry in logs[0] if entry[0] == "record_round"} == {0, 1, 2, 3, 4}
     assert ("draft", 1, 3) in logs[0]  # a catch-up of three tokens after a plain round
+
+
+def test_a_plain_stretch_runs_in_the_engines_loop_and_feeds_the_policy_as_one_round_a_step(target, draft, alone):
+    # the policy stops drafting: the lone row's plain rounds until its next look run in one loop of the engine, and
+    # the policy learns from them what the batch path (a step a round) tells it; the output is the target's own
+    prompt, logs, looks = make_prompt(4, 9), [], []
+    for loops in (True, False):
+        gen = Generator(target, draft, num_draft_tokens=4, k_policy="load-aware")
+        gen.scheduler.lone_row_loops = loops
+        policy, log, script = gen.scheduler.policy, [], itertools.cycle([0, 2])
+        chosen = []
+        policy.choose_shape = lambda b, caps, seen=None, sampled=False: chosen.append(1) or (
+            min(next(script), int(caps.max())), 1)
+        policy.plain_stretch = lambda b, sampled=False: 5  # (the real one: rounds to the next look, test_load_aware)
+        method = policy.record_round
+        policy.record_round = lambda *a, _m=method: log.append(a[:3]) or _m(*a)
+        result = gen.generate([prompt], max_new_tokens=60)
+        assert result[0].token_ids == alone(prompt, max_new_tokens=60).token_ids
+        logs.append(log)
+        looks.append(len(chosen))
+    assert logs[0] == logs[1]
+    plain = sum(1 for b, k, tokens in logs[0] if k == 0)
+    # half the looks say k = 0, each then 5 plain rounds (the last one cut by the output's limit, perhaps)
+    assert looks[0] == looks[1] and 5 * (looks[0] // 2 - 1) < plain <= 5 * (looks[0] + 1) // 2 + 1
 
 
 def test_cancelling_a_request_frees_its_row_for_the_next(target, draft, alone):

@@ -224,6 +224,15 @@ class LoadAwareK:
         self.last_expected = expected[choice]
         return choice
 
+    def plain_stretch(self, b: int, sampled: bool = False) -> int:
+        """Rounds of plain decoding to run at once after choose_shape gave k = 0, before the policy looks again:
+        those until its next try of a neighbour, counted as chosen (at least 1). A lone row runs them in the
+        engine's own loop, without a step of the scheduler per token."""
+        key = (b, bool(sampled))
+        left = max(1, self.probe_gap.get(key, _PROBE_EVERY) - self.since_probe.get(key, 0))
+        self.since_probe[key] = self.since_probe.get(key, 0) + left - 1
+        return left
+
     def _probe(self, key, best, candidates, rates):
         """``key``: (batch size, sampled), the rounds among which the best shape is probed."""
         if self.best.get(key) != best:  # something changed: look around soon

@@ -137,6 +137,10 @@ class Scheduler(Submission):
         # a drafter that shapes its own rounds (suffix: per row, from its match's scores) gets the measured call
         # costs instead of a k chosen for it
         self._self_shaping = self.policy is not None and kind.shapes_own_rounds
+        # when the policy stops drafting for a lone greedy row, its plain rounds run in the engine's own loop until
+        # the policy's next look (a head drafter reads the target's features of every token: not for it)
+        self._plain_stretches = self.policy is not None and not kind.reads_features
+        self._plain_left = 0  # rounds of a plain stretch still to run, where each is a step (lone_row_loops off)
         if self._self_shaping:
             self.drafter.costs = self.policy.call_cost
         self.prefill_chunk = min(prefill_chunk, self.max_call)
@@ -340,17 +344,29 @@ class Scheduler(Submission):
         rows = self._rows[: self._decoding]
         room = self._room(rows)
         caps = np.minimum(room, [r.k for r in rows])
-        if (len(self._rows) == 1 and self.lone_row_loops and not caps.any() and rows[0].sampler.plain
-                and rows[0].sampler.mode == "greedy"):
+        lone = len(self._rows) == 1 and rows[0].sampler.plain and rows[0].sampler.mode == "greedy"
+        if not lone:
+            self._plain_left = 0
+        if lone and self.lone_row_loops and not caps.any():
             plan.alone = self._plan_alone(rows[0])
             return
         samplers = [r.sampler for r in rows]
         sampled = any(s.mode != "greedy" for s in samplers)  # such rounds are measured apart
         policy, width, expected = self.policy, self.tree_width, None
-        if policy is not None and caps.any() and not self._self_shaping:
+        if self._plain_left > 0 and caps.any():  # a plain stretch, one round a step (lone_row_loops off)
+            self._plain_left -= 1
+            caps = np.zeros_like(caps)
+            k = 0
+        elif policy is not None and caps.any() and not self._self_shaping:
             k, width = policy.choose_shape(len(rows), caps, [(r.stats.accepted, r.stats.accepted + r.stats.rejected,
                                                               r.sampler.mode != "greedy") for r in rows], sampled)
             expected = policy.last_expected
+            if k == 0 and lone and self._plain_stretches:
+                steps = policy.plain_stretch(1, sampled)
+                if self.lone_row_loops:
+                    plan.alone = self._plan_alone(rows[0], steps)
+                    return
+                self._plain_left = steps - 1
             caps = np.minimum(caps, k)
         else:
             k = int(caps.max())
@@ -368,15 +384,16 @@ class Scheduler(Submission):
         t_cap = self.capacity + 1 - max(r.prompt_ids.size + m for r, m in zip(rows, outputs))
         return np.array([max(0, min(t_cap - 1, r.output.limit - m - 1)) for r, m in zip(rows, outputs)], np.int64)
 
-    def _plan_alone(self, r) -> LoneDecode:
+    def _plan_alone(self, r, steps: int | None = None) -> LoneDecode:
         """A lone greedy row with no drafts: one-token target calls in the engine's own loop, each token through
-        the stop rule as it comes, while the row runs alone."""
+        the stop rule as it comes, while the row runs alone; at most ``steps`` (None: to its output's limit)."""
 
         def take(token):
             taken = self._emit(r, [token])
             return taken, self._keeps_going(r)
 
-        return LoneDecode(max(1, r.output.limit - len(r.output.token_ids)), take)  # (the limit keeps it in the cache)
+        left = max(1, r.output.limit - len(r.output.token_ids))  # (the limit keeps it in the cache)
+        return LoneDecode(left if steps is None else min(steps, left), take)
 
     def _keeps_going(self, r) -> bool:
         """A lone row's loop goes on: it runs, it is still alone, and nobody arrived whom a free row could take."""

@@ -78,9 +78,11 @@ class Statistics:
         stats.verify_s += result.seconds
         r.stats.target_calls += calls
         r.stats.rounds += calls
-        if self.policy is not None:
-            self.policy.target.record(1, 1, result.seconds / calls)
-            self.policy.record_round(1, 0, 1, (time.perf_counter() - result.started) / calls)
+        if self.policy is not None:  # as many one-token rounds as the loop made (what the batch path records)
+            per_round = (time.perf_counter() - result.started) / calls
+            for _ in range(calls):
+                self.policy.target.record(1, 1, result.seconds / calls)
+                self.policy.record_round(1, 0, 1, per_round)
 
     def _record_verdict(self, r, verdict: Verdict, width: int) -> None:
         """One row's verdict in its request's and the scheduler's statistics and the policy's acceptance (proposed:
