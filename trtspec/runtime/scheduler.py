@@ -137,10 +137,8 @@ class Scheduler(Submission):
         # a drafter that shapes its own rounds (suffix: per row, from its match's scores) gets the measured call
         # costs instead of a k chosen for it
         self._self_shaping = self.policy is not None and kind.shapes_own_rounds
-        # when the policy stops drafting for a lone greedy row, its plain rounds run in the engine's own loop until
-        # the policy's next look (a head drafter reads the target's features of every token: not for it)
-        self._plain_stretches = self.policy is not None and not kind.reads_features
-        self._plain_left = 0  # rounds of a plain stretch still to run, where each is a step (lone_row_loops off)
+        # plain stretches (_plan_decode; not for a head drafter: it reads the target's features of every token)
+        self._plain_stretches, self._plain_left = self.policy is not None and not kind.reads_features, 0
         if self._self_shaping:
             self.drafter.costs = self.policy.call_cost
         self.prefill_chunk = min(prefill_chunk, self.max_call)
@@ -345,8 +343,7 @@ class Scheduler(Submission):
         room = self._room(rows)
         caps = np.minimum(room, [r.k for r in rows])
         lone = len(self._rows) == 1 and rows[0].sampler.plain and rows[0].sampler.mode == "greedy"
-        if not lone:
-            self._plain_left = 0
+        self._plain_left = self._plain_left if lone else 0
         if lone and self.lone_row_loops and not caps.any():
             plan.alone = self._plan_alone(rows[0])
             return
@@ -354,9 +351,7 @@ class Scheduler(Submission):
         sampled = any(s.mode != "greedy" for s in samplers)  # such rounds are measured apart
         policy, width, expected = self.policy, self.tree_width, None
         if self._plain_left > 0 and caps.any():  # a plain stretch, one round a step (lone_row_loops off)
-            self._plain_left -= 1
-            caps = np.zeros_like(caps)
-            k = 0
+            self._plain_left, caps, k = self._plain_left - 1, np.zeros_like(caps), 0
         elif policy is not None and caps.any() and not self._self_shaping:
             k, width = policy.choose_shape(len(rows), caps, [(r.stats.accepted, r.stats.accepted + r.stats.rejected,
                                                               r.sampler.mode != "greedy") for r in rows], sampled)
