@@ -8,20 +8,8 @@ import pytest
 
 from conftest import hf_logits
 from test_verify import ALPHA, _chi_square_p_value
+from test_logits import ARCH, PROMPTS, noisy, target  # noqa: F401 (the same engines, module fixtures)
 from trtspec import Generator, load_engine
-
-ARCH = "llama-gqa-rope3"
-PROMPTS = ["def add(a, b):", "The quick brown fox jumps over the lazy dog. The quick", "import os"]
-
-
-@pytest.fixture(scope="module")
-def target(exported):
-    return load_engine(exported(ARCH))
-
-
-@pytest.fixture(scope="module")
-def noisy(perturbed_export):
-    return load_engine(perturbed_export(ARCH, 0.3))
 
 
 def _exact_joint_constrained(model, constraint_of, prompt_ids, params, eos):
