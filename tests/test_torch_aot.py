@@ -32,11 +32,14 @@ FEATURES = "low,mid,high,last"
 
 @pytest.fixture(scope="module")
 def gguf(tmp_path_factory):
+    """The int8 engine is built from the file itself, without the export (the other three's)."""
     root = tmp_path_factory.mktemp("aot-gguf")
-    exp = trtspec.export(make_tiny_gguf(root / "tiny.gguf"), root / "export", max_seq_len=S_MAX, max_batch=2)
-    return {"export": exp, "float": trtspec.build(exp, root / "float", weights="float"),
+    file = make_tiny_gguf(root / "tiny.gguf")
+    exp = trtspec.export(file, root / "export", max_seq_len=S_MAX, max_batch=2)
+    return {"file": file, "export": exp, "float": trtspec.build(exp, root / "float", weights="float"),
             "torch": trtspec.build(exp, root / "torch", backend="torch"),
-            "int8": trtspec.build(exp, root / "int8", backend="torch", int8_activations=True)}
+            "int8": trtspec.build(file, root / "int8", backend="torch", int8_activations=True, max_seq_len=S_MAX,
+                                  max_batch=2)}
 
 
 def _calls(engine, ids):
@@ -48,8 +51,8 @@ def _calls(engine, ids):
 
 def test_gguf_engine_on_our_kernels_computes_with_the_files_weights(gguf):
     """Float activations: the onnxruntime float build's logits (the file's dequantized weights; the IQ4_NL layer
-    stays float in both). Int8 activations: the eager torch engine's on the same kernels (only the fusion of the
-    float operations around them differs)."""
+    stays float in both). Int8 activations, built from the file without an export: the eager torch engine's of the
+    export on the same kernels (only the fusion of the float operations around them differs)."""
     engine = load_engine(gguf["torch"])
     assert isinstance(engine, TorchAOTEngine) and engine.manifest["build"]["gguf"]["kernels"] == 14
     assert engine.manifest["build"]["gguf"]["float"] == {"model.layers.1.mlp.down_proj": "IQ4_NL: not a type kept "
@@ -58,7 +61,10 @@ def test_gguf_engine_on_our_kernels_computes_with_the_files_weights(gguf):
     for got, want in zip(_calls(engine, ids), _calls(load_engine(gguf["float"]), ids)):
         np.testing.assert_allclose(got, want, atol=TOL, rtol=0)
     eager = trtspec.compile(gguf["export"], backend="eager", weights="gguf", int8_activations=True)
-    for got, want in zip(_calls(load_engine(gguf["int8"]), ids), _calls(eager, ids)):
+    direct = load_engine(gguf["int8"])
+    assert direct.manifest["model"] == engine.manifest["model"]
+    assert direct.manifest["source"]["model_dir"] == str(gguf["file"].resolve())
+    for got, want in zip(_calls(direct, ids), _calls(eager, ids)):
         np.testing.assert_allclose(got, want, atol=1e-3, rtol=0)
 
 
@@ -138,7 +144,13 @@ def test_build_options_are_checked(gguf, exported, tmp_path):
         trtspec.build(exported("llama"), tmp_path / "a", backend="torch", weights="gguf")
     with pytest.raises(ValueError, match="--int8-activations goes with the GGUF kernels"):
         trtspec.build(gguf["export"], tmp_path / "b", backend="torch", weights="float", int8_activations=True)
-    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    with pytest.raises(ValueError, match="an export fixed its own"):
+        trtspec.build(gguf["export"], tmp_path / "c", backend="torch", max_seq_len=64)
+    with pytest.raises(ValueError, match="an export fixed its own"):
+        trtspec.build(gguf["export"], tmp_path / "d", max_seq_len=64)
+    with pytest.raises(ArtifactError, match="neither a Hugging Face model directory"):
+        trtspec.build(tmp_path, tmp_path / "e", backend="torch")
+    assert not any((tmp_path / name).exists() for name in "abcde")
 
 
 def test_float_engine_of_a_tree_export_equals_hf_with_trees_and_features(exported, built, model_dir, hf_model,

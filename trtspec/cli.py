@@ -131,7 +131,8 @@ def _add_check(sub):
 
 def _add_build(sub):
     p = sub.add_parser("build", help="step graph artifact -> engine artifact for a backend")
-    p.add_argument("export_dir")
+    p.add_argument("export_dir", help="an export artifact (export/NAME); --backend torch also takes the model itself, "
+                                      "an HF model directory or a GGUF file, and needs no export")
     p.add_argument("-o", "--output", dest="out_dir", required=True, help="engine directory to write, e.g. engines/NAME")
     p.add_argument("--backend", choices=["onnxruntime", "tensorrt", "torch"], default="onnxruntime",
                    help="torch: the step module compiled ahead of time by AOTInductor into one package (for an export "
@@ -156,13 +157,19 @@ def _add_build(sub):
     ort_group.add_argument("--no-fusion", dest="fusion", action="store_false", default=None,
                            help="build the plain step graph, without the lowering to onnxruntime's fused kernels "
                            "(RMSNorm, RoPE, packed projections, attention over the live cache length)")
-    p.add_argument_group("torch only").add_argument(
-        "--device", choices=["cpu", "cuda"], help="where the torch engine runs (default cpu; cuda: float weights)")
+    torch_group = p.add_argument_group("torch only")
+    torch_group.add_argument("--device", choices=["cpu", "cuda"],
+                             help="where the torch engine runs (default cpu; cuda: float weights)")
+    torch_group.add_argument("--max-seq-len", type=_positive_int,
+                             help="built from the model itself: KV cache capacity per row (default 512); "
+                                  "--max-batch: most rows a call (default 4)")
     trt = p.add_argument_group("tensorrt only")
     trt.add_argument("--max-prefill", type=_positive_int, help="most tokens per row in one prefill call (default: the KV cache capacity)")
     trt.add_argument("--verify-tokens", type=_int_list,
                      help="tokens per verify call, k+1 for k drafted tokens, comma-separated (default 2,3,...,9)")
-    trt.add_argument("--max-batch", type=_positive_int, help="most rows a call (default: the export's --max-batch)")
+    trt.add_argument("--max-batch", type=_positive_int,
+                     help="most rows a call (default: the export's --max-batch; also --backend torch built from the "
+                          "model itself)")
     trt.add_argument("--workspace", dest="workspace_mib", type=_positive_int, metavar="MIB",
                      help="TensorRT workspace limit in MiB (default: TensorRT's)")
     trt.add_argument("--timing-cache", metavar="PATH", help="TensorRT timing cache file: read if present, written after the build")

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 from ..errors import ArtifactError
-from ..manifest import EXPORT_FORMAT, read_manifest
+from ..manifest import EXPORT_FORMAT, MANIFEST, read_manifest
 
 BACKENDS = ("onnxruntime", "tensorrt", "torch")
 
@@ -15,7 +15,8 @@ def build(export_dir: str | os.PathLike, out_dir: str | os.PathLike, *, backend:
           fuse_qdq: bool | None = None, weights: str | None = None, int8_activations: bool = False,
           fusion: bool | None = None, max_prefill: int | None = None, verify_tokens: list[int] | None = None,
           max_batch: int | None = None, workspace_mib: int | None = None,
-          timing_cache: str | os.PathLike | None = None, device: str | None = None) -> Path:
+          timing_cache: str | os.PathLike | None = None, device: str | None = None,
+          max_seq_len: int | None = None) -> Path:
     """Build an engine artifact for ``backend`` from an export artifact; returns out_dir. ``trtspec build`` is this
     call. None: the backend's default; an option of the other backend is refused.
 
@@ -28,14 +29,24 @@ def build(export_dir: str | os.PathLike, out_dir: str | os.PathLike, *, backend:
     builder.tensorrt.build_tensorrt). For torch (the step module compiled ahead of time by AOTInductor,
     torch_backend/aot.py): ``weights`` ("gguf", the default for an export of a GGUF file: the linear layers on
     trtspec's GGUF kernels, the file's own blocks; "float"), ``int8_activations`` (the kernels' int8 variant) and
-    ``device`` ("cpu", the default, or "cuda").
+    ``device`` ("cpu", the default, or "cuda"). The torch backend also builds straight from an HF model directory
+    or a GGUF file, without an export (which it does not read): then ``max_seq_len`` and ``max_batch`` size its
+    cache (default 512 and 4).
     """
     export_dir = Path(export_dir)
-    manifest = read_manifest(export_dir)
-    if manifest["format"] != EXPORT_FORMAT:
+    direct = backend == "torch" and not (export_dir / MANIFEST).is_file()  # the model itself, not an export of it
+    if max_seq_len is not None and not direct:
+        raise ValueError("--max-seq-len applies only to --backend torch built from the model itself (an HF directory "
+                         "or a GGUF file); an export fixed its own when it was exported")
+    if backend == "torch" and max_batch is not None and not direct:
+        raise ValueError("--max-batch with --backend torch applies only to a build from the model itself (an HF "
+                         "directory or a GGUF file); an export fixed its own when it was exported")
+    manifest = None if direct else read_manifest(export_dir)
+    if manifest is not None and manifest["format"] != EXPORT_FORMAT:
         raise ArtifactError(f"{export_dir} is a built engine, not an export; pass the export/ directory it came from")
-    tensorrt_only = {"max_prefill": max_prefill, "verify_tokens": verify_tokens, "max_batch": max_batch,
-                     "workspace_mib": workspace_mib, "timing_cache": timing_cache}
+    tensorrt_only = {"max_prefill": max_prefill, "verify_tokens": verify_tokens,
+                     "max_batch": None if backend == "torch" else max_batch, "workspace_mib": workspace_mib,
+                     "timing_cache": timing_cache}
     tensorrt_options = {name: value for name, value in tensorrt_only.items() if value is not None}
     if device is not None and backend != "torch":
         raise ValueError("--device applies only to --backend torch; an onnxruntime engine runs on the CPU and a "
@@ -49,7 +60,7 @@ def build(export_dir: str | os.PathLike, out_dir: str | os.PathLike, *, backend:
         from ..torch_backend.aot import build_torch
 
         return build_torch(export_dir, manifest, Path(out_dir), weights=weights, int8_activations=int8_activations,
-                           device=device or "cpu")
+                           device=device or "cpu", max_seq_len=max_seq_len, max_batch=max_batch)
     if backend == "onnxruntime":
         if tensorrt_options:
             raise ValueError(f"build options {', '.join(sorted(tensorrt_options))} apply only to --backend tensorrt; "

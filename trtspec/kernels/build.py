@@ -101,3 +101,7 @@ def library(progress=sys.stderr) -> Path:
 
 def clear_cache() -> None:
     shutil.rmtree(cache_root() / "kernels", ignore_errors=True)
+
+
+if __name__ == "__main__":  # `python trtspec/kernels/build.py`: compile now, as soon as torch is installed
+    library(progress=None)

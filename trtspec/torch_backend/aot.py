@@ -1,7 +1,8 @@
 """`trtspec build --backend torch`: the torch engine compiled ahead of time, as a TensorRT plan is.
 
-torch.export traces the step module (StepModel over the export's model; for an export of a GGUF file its linear
-layers on our GGUF kernels, the file's own blocks) with the caches as inputs it writes in place and dynamic rows,
+torch.export traces the step module (StepModel over the export's model, or over an HF directory's or a GGUF file's
+without an export, which this backend does not need; for a GGUF file its linear layers on our GGUF kernels, the
+file's own blocks) with the caches as inputs it writes in place and dynamic rows,
 tokens and live length; AOTInductor compiles that into one shared library, weights inside, in a .pt2 package.
 engines/torch_aot.py loads it: no compile, no Python per op.
 """
@@ -9,6 +10,7 @@ engines/torch_aot.py loads it: no compile, no Python per op.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from pathlib import Path
 
@@ -17,7 +19,8 @@ from torch import nn
 
 from ..engines.torch_aot import CACHE_PAD, LIVE_STEP, PACKAGE, cpu_isa, kernel_schema, require_native_kernels
 from ..exporter.contract import max_call_tokens
-from ..manifest import ENGINE_FORMAT, atomic_artifact, carry_files, export_source, versions
+from ..exporter.gguf import find_gguf
+from ..manifest import ENGINE_FORMAT, atomic_artifact, carry_files, export_source, sha256_file, versions
 from .cached_step import split_outputs
 from .engine import DEVICES, step_module
 from .source import load_source
@@ -31,6 +34,7 @@ log = logging.getLogger("trtspec.torch")
 # (x tokens); dynamic threads: the loaded package uses however many threads torch has where it runs, and its
 # reductions size their per-thread arrays then, not from the machine that built it.
 COMPILE_CONFIG = {"cpp.threads": 8, "cpp.dynamic_threads": True}
+TOKENIZER = "tokenizer"  # where an engine built without an export keeps its tokenizer
 
 
 class AOTStep(nn.Module):
@@ -78,30 +82,63 @@ def _example(model: dict, device: str):
     return (*args, *caches), (dims[0], dims[1], (*dims[2:], *({0: row} for _ in caches)))
 
 
-def build_torch(export_dir: Path, export_manifest: dict, out_dir: Path, *, weights: str | None = None,
-                int8_activations: bool = False, device: str = "cpu") -> Path:
-    """export/ -> engines/<name>/: the step module of the export's model as an AOTInductor package (step.pt2).
+def _compile_kernels() -> None:
+    from ..kernels import build as kernel_build
 
-    ``weights``: "gguf" (the default for an export of a GGUF file: every linear layer of a type the kernels take
+    try:
+        kernel_build.library()
+    except Exception:  # noqa: BLE001 - require_native_kernels loads them again and reports why they could not be built
+        pass
+
+
+def _model_source(source) -> dict:
+    """The ``source`` block of an engine built from the model itself: the file or directory, and its hash."""
+    model_dir = Path(source.manifest["source"]["model_dir"])
+    if source.gguf_file is not None:
+        return {"model_dir": str(model_dir), "gguf_sha256": sha256_file(source.gguf_file)}
+    return {"model_dir": str(model_dir), "config_sha256": sha256_file(model_dir / "config.json")}
+
+
+def build_torch(path: Path, export_manifest: dict | None, out_dir: Path, *, weights: str | None = None,
+                int8_activations: bool = False, device: str = "cpu", max_seq_len: int | None = None,
+                max_batch: int | None = None) -> Path:
+    """export/ (or, ``export_manifest`` None, an HF model directory or a GGUF file) -> engines/<name>/: the step
+    module of the model as an AOTInductor package (step.pt2).
+
+    ``weights``: "gguf" (the default for a GGUF file or its export: every linear layer of a type the kernels take
     runs them on the file's blocks; ``int8_activations``: their int8 variant) or "float" (the model's float
-    weights, the default otherwise). ``device``: "cpu", or "cuda" for float weights where torch sees a GPU."""
+    weights, the default otherwise). ``device``: "cpu", or "cuda" for float weights where torch sees a GPU.
+    ``max_seq_len`` and ``max_batch`` (default 512 and 4) size the cache of a model built without an export; an
+    export has its own."""
     t0 = time.perf_counter()
-    gguf = "gguf" in export_manifest
+    exported = export_manifest is not None
+    if exported and (max_seq_len is not None or max_batch is not None):
+        raise ValueError(f"{path} is an export, whose --max-seq-len and --max-batch were fixed when it was exported; "
+                         "drop them, or build from the model itself")
+    gguf = "gguf" in export_manifest if exported else find_gguf(Path(path)) is not None
     weights = weights or ("gguf" if gguf else "float")
     if weights not in ("gguf", "float"):
         raise ValueError(f"unknown weights {weights!r}; choose gguf or float")
     if weights == "gguf" and not gguf:
-        raise ValueError(f"{export_dir} was not exported from a GGUF file, so it has no blocks for --weights gguf; "
-                         "drop --weights")
+        raise ValueError(f"{path} {'was not exported from' if exported else 'is not'} a GGUF file, so it has no "
+                         "blocks for --weights gguf; drop --weights")
     if int8_activations and weights != "gguf":
         raise ValueError("--int8-activations goes with the GGUF kernels (--weights gguf, an export of a GGUF file)")
     if device not in DEVICES:
         raise ValueError(f"unknown device {device!r}; choose one of {', '.join(DEVICES)}")
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda was asked for but torch sees no CUDA GPU here; build with --device cpu")
+    # while the model loads: the kernels compile and inductor probes the CPU's vector ISAs by compiling a test
+    # program for each (each once per machine, cached; together about a third of a fresh machine's build)
+    meanwhile = {name: threading.Thread(target=work, daemon=True)
+                 for name, work, needed in (("kernels", _compile_kernels, weights == "gguf"),
+                                            ("isa", cpu_isa, device == "cpu")) if needed}
+    for thread in meanwhile.values():
+        thread.start()
+    source = load_source(path, max_seq_len=max_seq_len, max_batch=max_batch, dtype=None)
     if weights == "gguf":
+        meanwhile["kernels"].join()
         require_native_kernels("--backend torch --weights gguf")
-    source = load_source(export_dir, max_seq_len=None, max_batch=None, dtype=None)
     # int8 activations round each row's inputs, so a row must get the same bits in every call, attention and
     # float layers included: else a verify call's logits could differ from a decode call's
     step, report = step_module(source, device=device, weights=weights, int8_activations=int8_activations,
@@ -109,23 +146,28 @@ def build_torch(export_dir: Path, export_manifest: dict, out_dir: Path, *, weigh
     model = source.manifest["model"]
     build = {"weights": weights, "int8_activations": int8_activations, "rowwise": int8_activations,
              "device": device, "torch": torch.__version__}
-    if device == "cpu":  # the vector instructions inductor compiles for: the machine's best
-        build["cpu_isa"] = cpu_isa()
     if report is not None:
         build["gguf"] = {"kernels": len(report["kernels"]), "float": report["float"]}
         build["kernel_schema"] = kernel_schema()
-    manifest = {"format": ENGINE_FORMAT, "backend": "torch", "graph": PACKAGE, "tokenizer": export_manifest["tokenizer"],
-                "model": model, "build": build, "source": export_source(export_dir), "versions": versions("torch")}
+    manifest = {"format": ENGINE_FORMAT, "backend": "torch", "graph": PACKAGE,
+                "tokenizer": export_manifest["tokenizer"] if exported else TOKENIZER, "model": model, "build": build,
+                "source": export_source(path) if exported else _model_source(source), "versions": versions("torch")}
     with atomic_artifact(out_dir, manifest) as tmp, torch.no_grad():
         args, dims = _example(model, device)
         t = time.perf_counter()
         log.info("torch.export of the step module (%d layers, dynamic rows, tokens and live length)",
                  model["num_layers"])
         program = torch.export.export(AOTStep(step).eval(), args, dynamic_shapes=dims, strict=False)
+        if device == "cpu":  # the vector instructions inductor compiles for: the machine's best
+            meanwhile["isa"].join()
+            build["cpu_isa"] = cpu_isa()
         log.info("AOTInductor: compiling the step into %s (about a minute on 2 cores)", PACKAGE)
         with torch._inductor.config.patch(COMPILE_CONFIG):
             torch._inductor.aoti_compile_and_package(program, package_path=str(tmp / PACKAGE))
         build["compile_s"] = round(time.perf_counter() - t, 1)
-        carry_files(export_dir, export_manifest, tmp)
+        if exported:
+            carry_files(path, export_manifest, tmp)
+        else:
+            source.tokenizer.save_pretrained(tmp / TOKENIZER)
     log.info("wrote %s in %.1f s", out_dir, time.perf_counter() - t0)
     return out_dir

@@ -1,4 +1,4 @@
-"""What the torch backend compiles: an HF model directory, or the one an export/ artifact was made from.
+"""What the torch backend compiles: an HF model directory or a GGUF file, or the one an export/ artifact was made from.
 
 The engine's manifest mirrors an export manifest's "model" section (same helpers,
 same fingerprint), so the runtime checks a torch engine against an onnxruntime
@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ArtifactError
+from ..exporter.gguf import find_gguf
 from ..exporter.step_graph import TORCH_DTYPES, describe_tree_and_features, load_for_step, model_description
 from ..manifest import EXPORT_FORMAT, MANIFEST, read_manifest, sha256_file
 
@@ -26,19 +27,21 @@ class Source:
     path: Path  # engine.path: the directory the tokenizer path is relative to
     manifest: dict
     gguf_file: Path | None = None  # the GGUF file the model was read from, if it was
+    tokenizer: object = None  # the transformers tokenizer
 
 
 def load_source(path: Path, *, max_seq_len: int | None, max_batch: int | None, dtype: str | None,
                 tree: bool | None = None, hidden_states=None) -> Source:
-    """Load the HF model behind an HF model dir or an export/ dir, and describe it like an export manifest.
+    """Load the HF model behind an HF model dir, a GGUF file or an export/ dir, and describe it like an export
+    manifest.
 
     ``tree`` / ``hidden_states`` as for export(); None: the export's own (an HF dir: no tree, no features)."""
     path = Path(path)
     if (path / MANIFEST).is_file():
         return _from_export(path, max_seq_len, max_batch, dtype, tree, hidden_states)
-    if not (path / "config.json").is_file():
+    if not (path / "config.json").is_file() and find_gguf(path) is None:
         raise ArtifactError(
-            f"{path} is neither a Hugging Face model directory (no config.json) nor a trtspec export "
+            f"{path} is neither a Hugging Face model directory (no config.json), a GGUF file nor a trtspec export "
             f"(no {MANIFEST}); pass one of them"
         )
     return _load(path, path, ".", _or(max_seq_len, DEFAULT_MAX_SEQ_LEN), _or(max_batch, DEFAULT_MAX_BATCH),
@@ -103,6 +106,4 @@ def _load(model_dir: Path, path: Path, tokenizer_rel: str, max_seq_len: int, max
         "tokenizer": tokenizer_rel,
         "source": {"model_dir": str(model_dir.resolve())},
     }
-    from ..exporter.gguf import find_gguf
-
-    return Source(hf, spec, path, manifest, find_gguf(model_dir))
+    return Source(hf, spec, path, manifest, find_gguf(model_dir), tokenizer)
