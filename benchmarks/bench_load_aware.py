@@ -4,13 +4,15 @@
 
 The bundled pair (engines/stdlib-target, engines/stdlib-draft: `make demo-stdlib`), greedy, held-out prompts each
 alone (batch 1), in one process: each round runs target-only, fixed k = 1..--max-k and load-aware k (up to --max-k)
-over every prompt, the order rotated by round; the figure per configuration is the median over rounds of new tokens
-per second (wall time of generate). Reports load-aware / the best fixed chain and every output's equality with
-target-only.
+over every prompt, the configurations taking turns prompt by prompt (the order rotated); the figure per
+configuration is the median over rounds of new tokens per second (wall time of generate), and a ratio of two is the
+median over rounds of the ratio within the round (this machine's speed drifts by a third within minutes). Reports
+load-aware / the best fixed chain (and / each) and every output's equality with target-only.
 
 The useless-drafts case rides in the same rounds: load-aware k (and fixed k = 2, for scale) drafting with a draft
 of the bundled draft's shape and tokenizer but random weights (exported and built here, seed 0), whose drafts are
-almost never accepted; reported as load-aware / target only. Writes benchmarks/results/load-aware.{json,md} with
+almost never accepted; reported as load-aware / target only. Each configuration's seconds a pass, split into prompt
+reads, drafting, verify calls and host work, explain what remains. Writes benchmarks/results/load-aware.{json,md} with
 the CPU model and ISA.
 """
 
@@ -30,6 +32,7 @@ from bench_gguf_kernels import _cpu  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
+PARTS = ("prefill", "draft", "verify", "other", "total")
 
 
 def _useless_draft(tmp: Path):
@@ -75,27 +78,44 @@ def main() -> None:
     gens = {name: Generator(target, **options) for name, options in configs.items()}
     reference = [r.token_ids for r in gens["target only"].generate(prompts[:1], max_new_tokens=8)]  # warm-up
     reference = [gens["target only"].generate(p, max_new_tokens=args.tokens).token_ids for p in prompts]
-    rates = {name: [] for name in gens}
-    identical = {name: True for name in gens}
     names = list(gens)
+    # per round and configuration: tokens, and seconds by where they went. The configurations take turns prompt by
+    # prompt (the order rotated), so a round's figures of every configuration come from the same minutes of a
+    # machine whose speed drifts, and a ratio is taken within each round, then the median over rounds
+    tokens = {name: [0] * args.rounds for name in gens}
+    parts = {name: {part: [0.0] * args.rounds for part in PARTS} for name in gens}
+    identical = {name: True for name in gens}
     for r in range(args.rounds):
-        for name in names[r % len(names):] + names[: r % len(names)]:
-            tokens, t = 0, time.perf_counter()
-            for p, want in zip(prompts, reference):
+        for i, (p, want) in enumerate(zip(prompts, reference)):
+            turn = (r + i) % len(names)
+            for name in names[turn:] + names[:turn]:
+                before, t = gens[name].scheduler.stats(), time.perf_counter()
                 got = gens[name].generate(p, max_new_tokens=args.tokens).token_ids
+                elapsed = time.perf_counter() - t
+                after = gens[name].scheduler.stats()
                 identical[name] &= got == want
-                tokens += len(got)
-            rates[name].append(tokens / (time.perf_counter() - t))
+                tokens[name][r] += len(got)
+                spent = {part: getattr(after, f"{part}_s") - getattr(before, f"{part}_s") for part in PARTS[:3]}
+                for part, seconds in {**spent, "other": elapsed - sum(spent.values()), "total": elapsed}.items():
+                    parts[name][part][r] += seconds
+    rates = {name: [n / s for n, s in zip(tokens[name], parts[name]["total"])] for name in gens}
     med = {name: statistics.median(v) for name, v in rates.items()}
     fixed = {name: v for name, v in med.items() if name.startswith("fixed")}
     best = max(fixed, key=fixed.get)
     aware = next(name for name in med if name.startswith("load-aware"))
     useless = next(name for name in med if name.startswith("useless drafts: load-aware"))
+
+    def ratio(a, b):  # the median over rounds of a's rate / b's, both measured in the round
+        return statistics.median(x / y for x, y in zip(rates[a], rates[b]))
+
     result = {"cpu": _cpu(), "rounds": args.rounds, "prompts": len(prompts), "tokens": args.tokens, "tok_s": med,
               "identical_to_target_only": identical, "best_fixed": best,
-              "load_aware_over_best_fixed": med[aware] / med[best], "load_aware_over_target_only":
-                  med[aware] / med["target only"],
-              "useless_drafts_load_aware_over_target_only": med[useless] / med["target only"],
+              "load_aware_over_best_fixed": ratio(aware, best),
+              "load_aware_over_each_fixed_chain": {name: ratio(aware, name) for name in fixed},
+              "load_aware_over_target_only": ratio(aware, "target only"),
+              "useless_drafts_load_aware_over_target_only": ratio(useless, "target only"),
+              "seconds_a_pass": {name: {part: statistics.median(v) for part, v in by.items()}
+                                 for name, by in parts.items()},
               "useless_drafts_k_histogram": {str(k): n for k, n in sorted(
                   gens[useless].scheduler.statistics.counters.k_histogram.items())}}
     RESULTS.mkdir(exist_ok=True)
@@ -105,11 +125,20 @@ def main() -> None:
              "rounds in one process, the order rotated (`python benchmarks/bench_load_aware.py`).", "",
              "| configuration | tok/s | = target only |", "|---|---|---|"]
     lines += [f"| {name} | {v:.1f} | {'yes' if identical[name] else 'NO'} |" for name, v in med.items()]
-    lines += ["", f"load-aware / best fixed chain ({best}): {result['load_aware_over_best_fixed']:.3f}; "
+    lines += ["", "Ratios: the median over rounds of the two rates measured in the round.", "",
+              f"load-aware / best fixed chain ({best}): {result['load_aware_over_best_fixed']:.3f}; "
               f"load-aware / target only: {result['load_aware_over_target_only']:.3f}",
+              "load-aware / each fixed chain: " + ", ".join(
+                  f"{name} {v:.3f}" for name, v in result["load_aware_over_each_fixed_chain"].items()),
               "", f"Useless drafts (a random-weight draft): load-aware / target only "
               f"{result['useless_drafts_load_aware_over_target_only']:.3f}; its rounds by k "
-              f"{result['useless_drafts_k_histogram']}"]
+              f"{result['useless_drafts_k_histogram']}", "",
+              f"Where a pass of the {len(prompts)} prompts went (seconds, medians over rounds; prefill: target calls "
+              "reading prompts, and the draft's reads of them; draft: the draft model's drafting calls (a catch-up "
+              "included); verify: the other target calls; other: the host's work between calls):", "",
+              "| configuration | " + " | ".join(PARTS) + " |", "|---|" + "---|" * len(PARTS)]
+    lines += [f"| {name} | " + " | ".join(f"{result['seconds_a_pass'][name][part]:.3f}" for part in PARTS) + " |"
+              for name in med]
     text = "\n".join(lines) + "\n"
     (RESULTS / "load-aware.md").write_text(text)
     print(text)

@@ -186,6 +186,32 @@ def test_a_plain_stretch_runs_in_the_engines_loop_and_feeds_the_policy_as_one_ro
     assert looks[0] == looks[1] and 5 * (looks[0] // 2 - 1) < plain <= 5 * (looks[0] + 1) // 2 + 1
 
 
+def test_a_draft_model_skips_the_prompts_while_the_policy_does_not_draft_and_catches_up_when_it_does(target, draft,
+                                                                                                      alone):
+    """While the load-aware policy's last choice at the batch size was plain decoding, the draft model does not read
+    the prompts (useless drafts cost no prefill); when the policy drafts, its first call reads what its cache lacks.
+    Every output is the target's own: two rows (the batch path's catch-up), then one (the greedy chain's), the
+    second from the prefix cache."""
+    prompts = [make_prompt(40 + i, 24) for i in range(2)]
+    want = [alone(p, max_new_tokens=30).token_ids for p in prompts]
+    for lazy in (True, False):
+        calls = []
+        gen = Generator(target, WrappedEngine(draft, lambda ids, pos, row: calls.append((ids.shape[1], int(pos.min())))),
+                        num_draft_tokens=4, k_policy="load-aware")
+        policy, drafter, script = gen.scheduler.policy, gen.scheduler.drafter, itertools.cycle([0, 3])
+        policy.plain_at = lambda b: lazy
+        policy.choose_shape = lambda b, caps, seen=None, sampled=False: (min(next(script), int(caps.max())), 1)
+        prefills = []
+        drafter.prefill = lambda *a, _m=drafter.prefill: prefills.append(a[3].tolist()) or _m(*a)
+        assert [r.token_ids for r in gen.generate(prompts, max_new_tokens=30)] == want
+        again = gen.generate(prompts[1], max_new_tokens=30)
+        assert again.token_ids == want[1] and again.stats.prefix_tokens_reused >= 16
+        if lazy:  # no prompt read; the first draft calls read whole prompts from slot 0
+            assert prefills == [] and any(start == 0 and width >= 24 for width, start in calls), calls
+        else:
+            assert prefills and sum(map(sum, prefills)) >= 2 * 24
+
+
 def test_cancelling_a_request_frees_its_row_for_the_next(target, draft, alone):
     scheduler = Scheduler(target, draft, max_batch=1)
     first = scheduler.submit(make_prompt(4, 10), max_new_tokens=200)

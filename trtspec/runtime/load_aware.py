@@ -224,6 +224,11 @@ class LoadAwareK:
         self.last_expected = expected[choice]
         return choice
 
+    def plain_at(self, b: int) -> bool:
+        """Whether its last choice at batch size b was plain decoding (for greedy and sampled rounds both)."""
+        shapes = [shape for (size, _), shape in self.best.items() if size == b]
+        return bool(shapes) and all(k == 0 for k, _ in shapes)
+
     def plain_stretch(self, b: int, sampled: bool = False) -> int:
         """Rounds of plain decoding to run at once after choose_shape gave k = 0, before the policy looks again:
         those until its next try of a neighbour, counted as chosen (at least 1). A lone row runs them in the

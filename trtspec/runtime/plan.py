@@ -62,6 +62,7 @@ class PromptChunks:
     choosers: list  # per row: the RowSampler that chooses its first token (its prompt ends here), or None
     logprobs: list  # per row: (prompt ids, N) where the request asked for prompt logprobs, else None
     share: list[int]  # per row: the slots to save for the other samples of its prompt (0: none)
+    draft: bool = True  # the drafter reads the chunks too (False: it catches up when it drafts; Drafter.catches_up)
 
 
 @dataclass

@@ -71,8 +71,8 @@ class PrefixCache:
 def reusable_slots(hit, reusable) -> tuple[int, tuple | None]:
     """Of a prefix ``hit`` (common tokens, target block, drafter block), the slots both caches can take back:
     (how many, (target block, drafter block)); (0, None) when none. ``reusable(drafter block)``: how many leading
-    tokens of its block the drafter can take back (drafters.Drafter.reusable). Both caches must hold the reused
-    slots: the draft then reads the rest of the prompt alongside the target."""
+    tokens of its block the drafter can take back (drafters.Drafter.reusable; a draft model's: any, since it reads
+    what its cache lacks when it drafts). The draft then reads the rest of the prompt alongside the target."""
     if hit is None:
         return 0, None
     common, t_block, d_block = hit

@@ -134,11 +134,12 @@ class Scheduler(Submission):
         widths = (1, self.tree_width) if kind.branches else (1,)
         self.policy = (LoadAwareK(self.num_draft_tokens, self.allowed_k, widths=widths, nodes=tree_nodes)
                        if k_policy == "load-aware" else None)
-        # a drafter that shapes its own rounds (suffix: per row, from its match's scores) gets the measured call
-        # costs instead of a k chosen for it
+        # a drafter shaping its own rounds (suffix: per row, from its matches' scores) gets the call costs, not a k
         self._self_shaping = self.policy is not None and kind.shapes_own_rounds
-        # plain stretches (_plan_decode; not for a head drafter: it reads the target's features of every token)
+        # plain stretches (_plan_decode; not for a head drafter: it reads the target's features of every token); a
+        # drafter that catches up skips the prompts while the policy does not draft (_plan_prompts)
         self._plain_stretches, self._plain_left = self.policy is not None and not kind.reads_features, 0
+        self._lazy_prompts = self.policy is not None and kind.catches_up
         if self._self_shaping:
             self.drafter.costs = self.policy.call_cost
         self.prefill_chunk = min(prefill_chunk, self.max_call)
@@ -334,7 +335,8 @@ class Scheduler(Submission):
             logprobs.append((r.prompt_ids, r.prompt_logprobs) if r.prompt_entries is not None else None)
             # the other samples of this prompt start from its slots
             share.append(r.prompt_ids.size - 1 if done and r.shared_prefix is not None else 0)
-        return PromptChunks(first, chunks, choosers, logprobs, share)
+        lazy = self._lazy_prompts and self.policy.plain_at(len(self._rows))
+        return PromptChunks(first, chunks, choosers, logprobs, share, draft=not lazy)
 
     def _plan_decode(self, plan: StepPlan) -> None:
         """Rows [0, D) decode: each row's drafts at most, the round's k and width (the load-aware policy's), the

@@ -158,7 +158,7 @@ class Worker:
                     tokens[i] = plan.choosers[i].choose(logits[i, chunk[i] - 1], int(self.n[first + i]))
                 except Exception as exc:  # noqa: BLE001 - this request's own failure: it alone ends
                     tokens[i] = exc
-        draft_calls = self.drafter.prefill(ids, pos, first, chunk) or 0
+        draft_calls = (self.drafter.prefill(ids, pos, first, chunk) or 0) if plan.draft else 0
         if self._observe is not None:
             features = self.target.features
             self._observe(first, pos[:, 0], [features[i, : chunk[i]] for i in range(p)])

@@ -58,6 +58,9 @@ class Drafter:
     # whether propose() may get, for a row whose grammar forces its next tokens, an n past them (they are in
     # ``tokens`` and the row's logits processor, not yet in the target's cache): chains only, never trees
     drafts_after_forced = False
+    # whether its cache reads what it lacks in propose() (the tokens of rounds it did not draft, a prompt it did not
+    # read): the scheduler then spares it the prompts while the load-aware policy is not drafting
+    catches_up = False
 
     @classmethod
     def make(cls, *, target, draft, max_batch: int, pad_id: int, tree_width: int, tree_nodes: int | None) -> Drafter:

@@ -8,7 +8,7 @@ import numpy as np
 
 from ...engines.base import greedy_steps
 from .trees import branching_tree, pack_trees
-from .base import Drafter, Proposal
+from .base import ANY, Drafter, Proposal
 
 
 class DraftModelDrafter(Drafter):
@@ -42,14 +42,17 @@ class DraftModelDrafter(Drafter):
     # a chain may start after a row's grammar-forced tokens (the catch-up call reads them); a tree may not (the
     # scheduler asks for chains only: a round of width 1)
     drafts_after_forced = True
+    catches_up = True  # (propose's first call reads what the row's cache lacks)
 
     def admit(self, row, prefix, n):
-        if n:
-            self.engine.load_prefix(prefix.head(n), row)
-        self.cached[row] = n
+        # what its block holds of the n reused slots (it may have skipped the prompt): the rest when it drafts
+        held = min(n, prefix.tokens) if prefix is not None else 0
+        if held:
+            self.engine.load_prefix(prefix.head(held), row)
+        self.cached[row] = held
 
     def reusable(self, prefix):
-        return prefix.tokens if prefix is not None else 0
+        return ANY  # it catches up on the slots its block lacks
 
     def save_prefix(self, row, n):
         keep = min(int(self.cached[row]), n)
