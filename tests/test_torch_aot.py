@@ -118,12 +118,20 @@ def test_a_fresh_process_loads_the_engine_without_compiling(gguf, tmp_path):
 
 
 def test_an_engine_whose_kernels_cannot_be_built_is_refused_with_the_fix(gguf, tmp_path):
+    """Loading one, and building one (refused before the model loads; nothing written)."""
+    env = {"TRTSPEC_CXX": str(tmp_path / "no-such-g++"), "TRTSPEC_CACHE": str(tmp_path / "cache")}
     run = _fresh_process(f"""
         from trtspec import load_engine
         load_engine({str(gguf['int8'])!r})
-    """, {"TRTSPEC_CXX": str(tmp_path / "no-such-g++"), "TRTSPEC_CACHE": str(tmp_path / "cache")})
+    """, env)
     assert run.returncode != 0
     assert "BackendUnavailableError" in run.stderr and "Install a C++ compiler" in run.stderr, run.stderr
+    run = _fresh_process(f"""
+        import trtspec
+        trtspec.build({str(gguf['file'])!r}, {str(tmp_path / 'engine')!r}, backend="torch", int8_activations=True)
+    """, env)
+    assert "BackendUnavailableError" in run.stderr and "Install a C++ compiler" in run.stderr, run.stderr
+    assert "de-quantizing GGUF tensors" not in run.stderr and not (tmp_path / "engine").exists()
 
 
 @pytest.mark.parametrize("key,value,message", [("torch", "1.0.0", "runs only on the torch that built it"),

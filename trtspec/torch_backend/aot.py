@@ -10,6 +10,7 @@ engines/torch_aot.py loads it: no compile, no Python per op.
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -20,6 +21,7 @@ from torch import nn
 from ..engines.torch_aot import CACHE_PAD, LIVE_STEP, PACKAGE, cpu_isa, kernel_schema, require_native_kernels
 from ..exporter.contract import max_call_tokens
 from ..exporter.gguf import find_gguf
+from ..kernels import build as kernel_build
 from ..manifest import ENGINE_FORMAT, atomic_artifact, carry_files, export_source, sha256_file, versions
 from .cached_step import split_outputs
 from .engine import DEVICES, step_module
@@ -83,8 +85,6 @@ def _example(model: dict, device: str):
 
 
 def _compile_kernels() -> None:
-    from ..kernels import build as kernel_build
-
     try:
         kernel_build.library()
     except Exception:  # noqa: BLE001 - require_native_kernels loads them again and reports why they could not be built
@@ -128,6 +128,8 @@ def build_torch(path: Path, export_manifest: dict | None, out_dir: Path, *, weig
         raise ValueError(f"unknown device {device!r}; choose one of {', '.join(DEVICES)}")
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda was asked for but torch sees no CUDA GPU here; build with --device cpu")
+    if weights == "gguf" and shutil.which(kernel_build.compiler()) is None:
+        require_native_kernels("--backend torch --weights gguf")  # no compiler: refused now, before the model loads
     # while the model loads: the kernels compile and inductor probes the CPU's vector ISAs by compiling a test
     # program for each (each once per machine, cached; together about a third of a fresh machine's build)
     meanwhile = {name: threading.Thread(target=work, daemon=True)
