@@ -20,7 +20,7 @@ import pytest
 
 import trtspec
 from conftest import MAX_BATCH, S_MAX, hf_logits, random_ids
-from trtspec import ArtifactError, BackendUnavailableError, Generator, load_engine
+from trtspec import ArtifactError, Generator, load_engine
 from trtspec.engines.base import tree_positions
 from trtspec.engines.torch_aot import TorchAOTEngine
 from trtspec.testing import make_tiny_gguf
