@@ -97,6 +97,9 @@ def as_tensor(layer: Packed) -> torch.Tensor:
 def linear(x: torch.Tensor, layer: Packed, int8_activations: bool = False, data: torch.Tensor | None = None):
     """x [..., k] float32 -> x @ W^T [..., n] for the GGUF layer ``layer`` (``data``: its bytes as a tensor,
     to skip the conversion on every call)."""
-    load()
-    return torch.ops.trtspec.gguf_linear(x, as_tensor(layer) if data is None else data, layer.n, layer.k, layer.bits,
-                                         layer.group, layer.zero, layer.has_min, layer.half_scales, int8_activations)
+    if not _status:
+        load()
+    # the overload itself: the packet's call resolves it again on every call
+    return torch.ops.trtspec.gguf_linear.default(x, as_tensor(layer) if data is None else data, layer.n, layer.k,
+                                                 layer.bits, layer.group, layer.zero, layer.has_min,
+                                                 layer.half_scales, int8_activations)

@@ -51,6 +51,18 @@ static inline int64_t tile_rows(int64_t left, int64_t most) {
   return (left + tiles - 1) / tiles;
 }
 
+// A group's form known at compile time, for the int8 kernels: a one-row call's loop is short, and a branch on the
+// minimum or on the scales' width (reloaded from memory every group) and a prefetch loop of unknown length cost it
+// about a tenth of its time. Data only, so safe to share between the ISA files.
+template <int BITS, bool MIN, bool HALF>
+struct Form {
+  static constexpr int bits = BITS;
+  static constexpr bool has_min = MIN, half = HALF;
+  static constexpr int64_t codes_bytes = BITS == 8 ? 8 * 64 : BITS == 4 ? 4 * 64 : BITS == 5 ? 5 * 64 : 3 * 64;
+  static constexpr int64_t floats_bytes = kPanel * (HALF ? 2 : 4);
+  static constexpr int64_t group_bytes = codes_bytes + floats_bytes * (MIN ? 2 : 1);
+};
+
 struct Weights {
   const uint8_t* data;   // [panels, panel_bytes]
   int64_t k;             // input size

@@ -45,24 +45,43 @@ inline void prefetch_group(const Weights& w, const uint8_t* group) {
   for (int64_t j = 0; j < w.group_bytes; j += 64) _mm_prefetch(ahead + j, _MM_HINT_T0);
 }
 
+template <typename F>
+inline void prefetch_form(const uint8_t* group) {
+  const char* ahead = reinterpret_cast<const char*>(group) + kPrefetchBytes;
+#pragma GCC unroll 16
+  for (int64_t j = 0; j < F::group_bytes; j += 64) _mm_prefetch(ahead + j, _MM_HINT_T0);
+}
+
+template <bool HALF>
+inline __m256 floats_as(const uint8_t* p, int h) {
+  if constexpr (HALF) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p) + h));
+  else return _mm256_loadu_ps(reinterpret_cast<const float*>(p) + kHalf * h);
+}
+
 // Scales (or minimums) of columns 8h .. 8h + 7 from the 16 at p, as float32 (float16 converted exactly).
 inline __m256 floats_at(const Weights& w, const uint8_t* p, int h) {
   return w.half_scales ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p) + h))
                        : _mm256_loadu_ps(reinterpret_cast<const float*>(p) + kHalf * h);
 }
 
-template <int BITS, int R>
+template <typename F, int R>
 void int8_rows(const Weights& w, const uint8_t* panel, const Int8Rows& x, int64_t r0, float* y, int64_t ldy,
                int64_t col0) {
+  constexpr int BITS = F::bits;
   constexpr int S = kSteps<BITS>;
+  const int64_t groups = w.groups, m = x.m;
+  const int32_t* const xq = x.q + r0;
+  const int32_t* const xz = x.zsum + r0;
+  const float* const xf = x.fsum + r0;
+  const float* const xs = x.scale + r0;
   const __m256i ones = _mm256_set1_epi16(1);
   for (int h = 0; h < 2; ++h) {
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < w.groups; ++g) {
-      const uint8_t* group = panel + g * w.group_bytes;
-      prefetch_group(w, group);
-      const int32_t* a0 = x.q + g * S * x.m + r0;  // step s, row r: a0[s * m + r]
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* group = panel + g * F::group_bytes;
+      prefetch_form<F>(group);
+      const int32_t* a0 = xq + g * S * m;  // step s, row r: a0[s * m + r]
       __m256i dot[R], part[R];
       for (int r = 0; r < R; ++r) dot[r] = part[r] = _mm256_setzero_si256();
 #pragma GCC unroll 8
@@ -70,7 +89,7 @@ void int8_rows(const Weights& w, const uint8_t* panel, const Int8Rows& x, int64_
         const __m256i q = codes_of<BITS>(group, s, h);
         const __m256i uq = BITS == 8 ? _mm256_abs_epi8(q) : q;
         for (int r = 0; r < R; ++r) {
-          __m256i a = _mm256_set1_epi32(a0[s * x.m + r]);
+          __m256i a = _mm256_set1_epi32(a0[s * m + r]);
           if constexpr (BITS == 8) a = _mm256_sign_epi8(a, q);
           part[r] = _mm256_add_epi16(part[r], _mm256_maddubs_epi16(uq, a));
           if ((s + 1) % kInt16Steps<BITS> == 0) {
@@ -79,16 +98,15 @@ void int8_rows(const Weights& w, const uint8_t* panel, const Int8Rows& x, int64_
           }
         }
       }
-      const __m256 scale = floats_at(w, group + w.codes_bytes, h);
-      const __m256 minimum = w.has_min
-          ? floats_at(w, group + w.codes_bytes + w.floats_bytes, h)
-          : _mm256_setzero_ps();
-      const int64_t i = g * x.m + r0;
+      const __m256 scale = floats_as<F::half>(group + F::codes_bytes, h);
+      const __m256 minimum = F::has_min ? floats_as<F::half>(group + F::codes_bytes + F::floats_bytes, h)
+                                        : _mm256_setzero_ps();
+      const int64_t i = g * m;
       for (int r = 0; r < R; ++r) {
-        const __m256i idot = _mm256_sub_epi32(dot[r], _mm256_set1_epi32(x.zsum[i + r]));
+        const __m256i idot = _mm256_sub_epi32(dot[r], _mm256_set1_epi32(xz[i + r]));
         __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(idot), scale);
-        if (w.has_min) t = _mm256_add_ps(t, _mm256_mul_ps(minimum, _mm256_set1_ps(x.fsum[i + r])));
-        acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(t, _mm256_set1_ps(x.scale[i + r])));
+        if constexpr (F::has_min) t = _mm256_add_ps(t, _mm256_mul_ps(minimum, _mm256_set1_ps(xf[i + r])));
+        acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(t, _mm256_set1_ps(xs[i + r])));
       }
     }
     for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (r0 + r) * ldy + col0 + kHalf * h, acc[r]);
@@ -131,7 +149,7 @@ void float_rows(const Weights& w, const uint8_t* panel, const FloatRows& x, int6
   }
 }
 
-template <int BITS, bool INT8, typename X>
+template <typename F, bool INT8, typename X>
 void panels(const Weights& w, const X& x, int64_t m, float* y, int64_t ldy, int64_t p0, int64_t p1) {
   const int64_t panel_bytes = w.groups * w.group_bytes;
   for (int64_t p = p0; p < p1; ++p) {
@@ -141,20 +159,31 @@ void panels(const Weights& w, const X& x, int64_t m, float* y, int64_t ldy, int6
       n = tile_rows(m - r, kMaxRows);
       if constexpr (INT8) {
         switch (n) {
-          case 4: int8_rows<BITS, 4>(w, panel, x, r, y, ldy, col0); break;
-          case 3: int8_rows<BITS, 3>(w, panel, x, r, y, ldy, col0); break;
-          case 2: int8_rows<BITS, 2>(w, panel, x, r, y, ldy, col0); break;
-          default: int8_rows<BITS, 1>(w, panel, x, r, y, ldy, col0); break;
+          case 4: int8_rows<F, 4>(w, panel, x, r, y, ldy, col0); break;
+          case 3: int8_rows<F, 3>(w, panel, x, r, y, ldy, col0); break;
+          case 2: int8_rows<F, 2>(w, panel, x, r, y, ldy, col0); break;
+          default: int8_rows<F, 1>(w, panel, x, r, y, ldy, col0); break;
         }
       } else {
         switch (n) {
-          case 4: float_rows<BITS, 4>(w, panel, x, r, y, ldy, col0); break;
-          case 3: float_rows<BITS, 3>(w, panel, x, r, y, ldy, col0); break;
-          case 2: float_rows<BITS, 2>(w, panel, x, r, y, ldy, col0); break;
-          default: float_rows<BITS, 1>(w, panel, x, r, y, ldy, col0); break;
+          case 4: float_rows<F::bits, 4>(w, panel, x, r, y, ldy, col0); break;
+          case 3: float_rows<F::bits, 3>(w, panel, x, r, y, ldy, col0); break;
+          case 2: float_rows<F::bits, 2>(w, panel, x, r, y, ldy, col0); break;
+          default: float_rows<F::bits, 1>(w, panel, x, r, y, ldy, col0); break;
         }
       }
     }
+  }
+}
+
+template <int BITS>
+void int8_bits(const Weights& w, const Int8Rows& x, float* y, int64_t ldy, int64_t p0, int64_t p1) {
+  if (w.has_min) {
+    if (w.half_scales) panels<Form<BITS, true, true>, true>(w, x, x.m, y, ldy, p0, p1);
+    else panels<Form<BITS, true, false>, true>(w, x, x.m, y, ldy, p0, p1);
+  } else {
+    if (w.half_scales) panels<Form<BITS, false, true>, true>(w, x, x.m, y, ldy, p0, p1);
+    else panels<Form<BITS, false, false>, true>(w, x, x.m, y, ldy, p0, p1);
   }
 }
 
@@ -162,19 +191,19 @@ void panels(const Weights& w, const X& x, int64_t m, float* y, int64_t ldy, int6
 
 void int8_avx2(const Weights& w, const Int8Rows& x, float* y, int64_t ldy, int64_t p0, int64_t p1) {
   switch (w.bits) {
-    case 4: panels<4, true>(w, x, x.m, y, ldy, p0, p1); break;
-    case 5: panels<5, true>(w, x, x.m, y, ldy, p0, p1); break;
-    case 6: panels<6, true>(w, x, x.m, y, ldy, p0, p1); break;
-    default: panels<8, true>(w, x, x.m, y, ldy, p0, p1); break;
+    case 4: int8_bits<4>(w, x, y, ldy, p0, p1); break;
+    case 5: int8_bits<5>(w, x, y, ldy, p0, p1); break;
+    case 6: int8_bits<6>(w, x, y, ldy, p0, p1); break;
+    default: int8_bits<8>(w, x, y, ldy, p0, p1); break;
   }
 }
 
 void float_avx2(const Weights& w, const FloatRows& x, float* y, int64_t ldy, int64_t p0, int64_t p1) {
   switch (w.bits) {
-    case 4: panels<4, false>(w, x, x.m, y, ldy, p0, p1); break;
-    case 5: panels<5, false>(w, x, x.m, y, ldy, p0, p1); break;
-    case 6: panels<6, false>(w, x, x.m, y, ldy, p0, p1); break;
-    default: panels<8, false>(w, x, x.m, y, ldy, p0, p1); break;
+    case 4: panels<Form<4, false, false>, false>(w, x, x.m, y, ldy, p0, p1); break;
+    case 5: panels<Form<5, false, false>, false>(w, x, x.m, y, ldy, p0, p1); break;
+    case 6: panels<Form<6, false, false>, false>(w, x, x.m, y, ldy, p0, p1); break;
+    default: panels<Form<8, false, false>, false>(w, x, x.m, y, ldy, p0, p1); break;
   }
 }
 

@@ -52,6 +52,19 @@ inline void prefetch_group(const Weights& w, const uint8_t* group) {
   for (int64_t j = 0; j < w.group_bytes; j += 64) _mm_prefetch(ahead + j, _MM_HINT_T0);
 }
 
+template <typename F>
+inline void prefetch_form(const uint8_t* group) {
+  const char* ahead = reinterpret_cast<const char*>(group) + kPrefetchBytes;
+#pragma GCC unroll 16
+  for (int64_t j = 0; j < F::group_bytes; j += 64) _mm_prefetch(ahead + j, _MM_HINT_T0);
+}
+
+template <bool HALF>
+inline __m512 floats_as(const uint8_t* p) {
+  if constexpr (HALF) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  else return _mm512_loadu_ps(reinterpret_cast<const float*>(p));
+}
+
 // The 16 scales (or minimums) at p, as float32: float16 converted exactly, or float32 as stored.
 inline __m512 floats_at(const Weights& w, const uint8_t* p) {
   return w.half_scales ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))
@@ -67,16 +80,22 @@ inline __m512i signed_like(__m512i a, __m512i q) {
   return _mm512_mask_sub_epi8(a, _mm512_movepi8_mask(q), _mm512_setzero_si512(), a);
 }
 
-template <int BITS, int R>
+template <typename F, int R>
 void int8_rows(const Weights& w, const uint8_t* panel, const Int8Rows& x, int64_t r0, float* y, int64_t ldy,
                int64_t col0) {
+  constexpr int BITS = F::bits;
   constexpr int S = kSteps<BITS>;
+  const int64_t groups = w.groups, m = x.m;
+  const int32_t* const xq = x.q + r0;
+  const int32_t* const xz = x.zsum + r0;
+  const float* const xf = x.fsum + r0;
+  const float* const xs = x.scale + r0;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < w.groups; ++g) {
-    const uint8_t* group = panel + g * w.group_bytes;
-    prefetch_group(w, group);
-    const int32_t* a0 = x.q + g * S * x.m + r0;  // step s, row r: a0[s * m + r]
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* group = panel + g * F::group_bytes;
+    prefetch_form<F>(group);
+    const int32_t* a0 = xq + g * S * m;  // step s, row r: a0[s * m + r]
     __m512i dot[R];
     for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
 #ifndef TRTSPEC_VNNI
@@ -100,7 +119,7 @@ void int8_rows(const Weights& w, const uint8_t* panel, const Int8Rows& x, int64_
       const __m512i uq = BITS == 8 ? abs_codes(q) : q;
 #endif
       for (int r = 0; r < R; ++r) {
-        __m512i a = _mm512_set1_epi32(a0[s * x.m + r]);
+        __m512i a = _mm512_set1_epi32(a0[s * m + r]);
 #ifdef TRTSPEC_VNNI
         if (kOdd && s % 2) odd[r] = _mm512_dpbusd_epi32(odd[r], uq, a);
         else dot[r] = _mm512_dpbusd_epi32(dot[r], uq, a);
@@ -118,14 +137,14 @@ void int8_rows(const Weights& w, const uint8_t* panel, const Int8Rows& x, int64_
     if constexpr (kOdd)
       for (int r = 0; r < R; ++r) dot[r] = _mm512_add_epi32(dot[r], odd[r]);
 #endif
-    const __m512 scale = floats_at(w, group + w.codes_bytes);
-    const __m512 minimum = w.has_min ? floats_at(w, group + w.codes_bytes + w.floats_bytes) : _mm512_setzero_ps();
-    const int64_t i = g * x.m + r0;
+    const __m512 scale = floats_as<F::half>(group + F::codes_bytes);
+    const __m512 minimum = F::has_min ? floats_as<F::half>(group + F::codes_bytes + F::floats_bytes) : _mm512_setzero_ps();
+    const int64_t i = g * m;
     for (int r = 0; r < R; ++r) {
-      const __m512i idot = _mm512_sub_epi32(dot[r], _mm512_set1_epi32(x.zsum[i + r]));
+      const __m512i idot = _mm512_sub_epi32(dot[r], _mm512_set1_epi32(xz[i + r]));
       __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(idot), scale);
-      if (w.has_min) t = _mm512_add_ps(t, _mm512_mul_ps(minimum, _mm512_set1_ps(x.fsum[i + r])));
-      acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(t, _mm512_set1_ps(x.scale[i + r])));
+      if constexpr (F::has_min) t = _mm512_add_ps(t, _mm512_mul_ps(minimum, _mm512_set1_ps(xf[i + r])));
+      acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(t, _mm512_set1_ps(xs[i + r])));
     }
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + (r0 + r) * ldy + col0, acc[r]);
@@ -164,13 +183,13 @@ void float_rows(const Weights& w, const uint8_t* panel, const FloatRows& x, int6
 
 // A tile of R rows, with a kernel of exactly its rows (tile_rows picks R): a row's sums go through the same steps
 // whichever tile it lands in.
-template <int BITS, bool INT8, int R, typename X>
+template <typename F, bool INT8, int R, typename X>
 inline void rows(const Weights& w, const uint8_t* panel, const X& x, int64_t r0, float* y, int64_t ldy, int64_t col0) {
-  if constexpr (INT8) int8_rows<BITS, R>(w, panel, x, r0, y, ldy, col0);
-  else float_rows<BITS, R>(w, panel, x, r0, y, ldy, col0);
+  if constexpr (INT8) int8_rows<F, R>(w, panel, x, r0, y, ldy, col0);
+  else float_rows<F::bits, R>(w, panel, x, r0, y, ldy, col0);
 }
 
-template <int BITS, bool INT8, typename X>
+template <typename F, bool INT8, typename X>
 void panels(const Weights& w, const X& x, int64_t m, float* y, int64_t ldy, int64_t p0, int64_t p1) {
   const int64_t panel_bytes = w.groups * w.group_bytes;
   for (int64_t p = p0; p < p1; ++p) {
@@ -180,39 +199,50 @@ void panels(const Weights& w, const X& x, int64_t m, float* y, int64_t ldy, int6
       n = tile_rows(m - r, kMaxRows);
       switch (n) {
 #ifdef TRTSPEC_VNNI
-        case 12: rows<BITS, INT8, 12>(w, panel, x, r, y, ldy, col0); break;
-        case 11: rows<BITS, INT8, 11>(w, panel, x, r, y, ldy, col0); break;
-        case 10: rows<BITS, INT8, 10>(w, panel, x, r, y, ldy, col0); break;
-        case 9: rows<BITS, INT8, 9>(w, panel, x, r, y, ldy, col0); break;
+        case 12: rows<F, INT8, 12>(w, panel, x, r, y, ldy, col0); break;
+        case 11: rows<F, INT8, 11>(w, panel, x, r, y, ldy, col0); break;
+        case 10: rows<F, INT8, 10>(w, panel, x, r, y, ldy, col0); break;
+        case 9: rows<F, INT8, 9>(w, panel, x, r, y, ldy, col0); break;
 #endif
-        case 8: rows<BITS, INT8, 8>(w, panel, x, r, y, ldy, col0); break;
-        case 7: rows<BITS, INT8, 7>(w, panel, x, r, y, ldy, col0); break;
-        case 6: rows<BITS, INT8, 6>(w, panel, x, r, y, ldy, col0); break;
-        case 5: rows<BITS, INT8, 5>(w, panel, x, r, y, ldy, col0); break;
-        case 4: rows<BITS, INT8, 4>(w, panel, x, r, y, ldy, col0); break;
-        case 3: rows<BITS, INT8, 3>(w, panel, x, r, y, ldy, col0); break;
-        case 2: rows<BITS, INT8, 2>(w, panel, x, r, y, ldy, col0); break;
-        default: rows<BITS, INT8, 1>(w, panel, x, r, y, ldy, col0); break;
+        case 8: rows<F, INT8, 8>(w, panel, x, r, y, ldy, col0); break;
+        case 7: rows<F, INT8, 7>(w, panel, x, r, y, ldy, col0); break;
+        case 6: rows<F, INT8, 6>(w, panel, x, r, y, ldy, col0); break;
+        case 5: rows<F, INT8, 5>(w, panel, x, r, y, ldy, col0); break;
+        case 4: rows<F, INT8, 4>(w, panel, x, r, y, ldy, col0); break;
+        case 3: rows<F, INT8, 3>(w, panel, x, r, y, ldy, col0); break;
+        case 2: rows<F, INT8, 2>(w, panel, x, r, y, ldy, col0); break;
+        default: rows<F, INT8, 1>(w, panel, x, r, y, ldy, col0); break;
       }
     }
   }
 }
 
+template <int BITS>
+void int8_bits(const Weights& w, const Int8Rows& x, float* y, int64_t ldy, int64_t p0, int64_t p1) {
+  if (w.has_min) {
+    if (w.half_scales) panels<Form<BITS, true, true>, true>(w, x, x.m, y, ldy, p0, p1);
+    else panels<Form<BITS, true, false>, true>(w, x, x.m, y, ldy, p0, p1);
+  } else {
+    if (w.half_scales) panels<Form<BITS, false, true>, true>(w, x, x.m, y, ldy, p0, p1);
+    else panels<Form<BITS, false, false>, true>(w, x, x.m, y, ldy, p0, p1);
+  }
+}
+
 void int8_any(const Weights& w, const Int8Rows& x, float* y, int64_t ldy, int64_t p0, int64_t p1) {
   switch (w.bits) {
-    case 4: panels<4, true>(w, x, x.m, y, ldy, p0, p1); break;
-    case 5: panels<5, true>(w, x, x.m, y, ldy, p0, p1); break;
-    case 6: panels<6, true>(w, x, x.m, y, ldy, p0, p1); break;
-    default: panels<8, true>(w, x, x.m, y, ldy, p0, p1); break;
+    case 4: int8_bits<4>(w, x, y, ldy, p0, p1); break;
+    case 5: int8_bits<5>(w, x, y, ldy, p0, p1); break;
+    case 6: int8_bits<6>(w, x, y, ldy, p0, p1); break;
+    default: int8_bits<8>(w, x, y, ldy, p0, p1); break;
   }
 }
 
 void float_any(const Weights& w, const FloatRows& x, float* y, int64_t ldy, int64_t p0, int64_t p1) {
   switch (w.bits) {
-    case 4: panels<4, false>(w, x, x.m, y, ldy, p0, p1); break;
-    case 5: panels<5, false>(w, x, x.m, y, ldy, p0, p1); break;
-    case 6: panels<6, false>(w, x, x.m, y, ldy, p0, p1); break;
-    default: panels<8, false>(w, x, x.m, y, ldy, p0, p1); break;
+    case 4: panels<Form<4, false, false>, false>(w, x, x.m, y, ldy, p0, p1); break;
+    case 5: panels<Form<5, false, false>, false>(w, x, x.m, y, ldy, p0, p1); break;
+    case 6: panels<Form<6, false, false>, false>(w, x, x.m, y, ldy, p0, p1); break;
+    default: panels<Form<8, false, false>, false>(w, x, x.m, y, ldy, p0, p1); break;
   }
 }
 
