@@ -53,6 +53,10 @@ def _useless_draft(tmp: Path):
     return load_engine(build(tmp / "export", tmp / "engine", backend="onnxruntime"), num_threads=2)
 
 
+def _k_histogram(generator) -> dict:
+    return {str(k): n for k, n in sorted(generator.scheduler.statistics.counters.k_histogram.items())}
+
+
 def main() -> None:
     from trtspec import Generator, load_engine
 
@@ -116,8 +120,8 @@ def main() -> None:
               "useless_drafts_load_aware_over_target_only": ratio(useless, "target only"),
               "seconds_a_pass": {name: {part: statistics.median(v) for part, v in by.items()}
                                  for name, by in parts.items()},
-              "useless_drafts_k_histogram": {str(k): n for k, n in sorted(
-                  gens[useless].scheduler.statistics.counters.k_histogram.items())}}
+              "load_aware_k_histogram": _k_histogram(gens[aware]),
+              "useless_drafts_k_histogram": _k_histogram(gens[useless])}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "load-aware.json").write_text(json.dumps(result, indent=2))
     lines = [f"CPU: {result['cpu']['model']}; ISA: {' '.join(result['cpu']['isa'])}; 2 threads; the bundled pair, "
@@ -130,6 +134,7 @@ def main() -> None:
               f"load-aware / target only: {result['load_aware_over_target_only']:.3f}",
               "load-aware / each fixed chain: " + ", ".join(
                   f"{name} {v:.3f}" for name, v in result["load_aware_over_each_fixed_chain"].items()),
+              f"Load-aware's rounds by k: {result['load_aware_k_histogram']}",
               "", f"Useless drafts (a random-weight draft): load-aware / target only "
               f"{result['useless_drafts_load_aware_over_target_only']:.3f}; its rounds by k "
               f"{result['useless_drafts_k_histogram']}", "",

@@ -1,30 +1,34 @@
 """Load-aware k: each round, the draft length that gives the most tokens per second at the current batch size.
 
-What counts is measured: for each (batch size, k) the statistics (runtime/stats.py) record whole decode rounds — draft
-calls, the verify call, acceptance and bookkeeping — as tokens emitted and seconds taken, and the
-policy picks the k with the best recent tokens per second. A (batch, k) not measured yet (or seen
-fewer than _TRUSTED times) is estimated from the engine calls measured so far: one draft catch-up
-call plus k - 1 one-token draft calls and one target call over k + 1 tokens per row, each costed per
-(rows, tokens) with a linear fit for sizes not seen, emitting sum over rows of E(alpha, k_r) tokens
-(DESIGN.md §4). Such estimates leave out the host's work, so they are optimistic: an unmeasured k
-gets tried, and is then judged on what it really did. k = 0 (plain decoding) competes on the same
-terms, so when the batch is full enough that verify calls grow faster than acceptance pays, drafting
-stops. Every _PROBE_EVERY rounds at a batch size one neighbour of the best k is tried again, so a
-change in acceptance (another kind of prompt) is noticed; while the best stays the same the gap between tries
-doubles, up to _PROBE_MAX rounds (a try is not free: after plain rounds the draft catches up on every token).
+A shape (k, and a tree's width) is worth the tokens its rows are expected to emit over the seconds its round takes.
+- Tokens come from the acceptance: sum over rows of E(alpha_r, k) (DESIGN.md §4), each row's alpha its request's
+  accepted / checked drafts, starting from the policy's alpha for rows of its kind (greedy or sampled: sampling
+  accepts less than greedy decoding from the same draft) as a prior. Every round with drafts measures acceptance, so
+  it is known closely; the tokens of one shape's own rounds are not used, since they vary by ~40 % a round and the few
+  tries a neighbour gets could not tell neighbouring k apart. So rounds of requests that accept little (sampling,
+  another language) do not turn drafting off for requests that accept much (greedy code, JSON under a grammar).
+- Seconds are measured: the statistics (runtime/stats.py) record whole decode rounds (draft calls, the verify call,
+  bookkeeping) per (batch size, k, width), each shape's time relative to the others from consecutive rounds of two
+  shapes, at the machine's current speed (ShapeTimes): these machines' speed drifts by a third within minutes, more
+  than neighbouring k differ, and rates measured minutes apart chose the wrong k.
+- A shape not measured yet (or seen fewer than _TRUSTED times) is costed from the engine calls measured so far: one
+  draft catch-up call plus k - 1 one-token draft calls and one target call over k + 1 tokens per row, each costed per
+  (rows, tokens) with a linear fit for sizes not seen. Such estimates leave out the host's work, so they are
+  optimistic: an unmeasured k gets tried, and is then judged on what it really did.
 
-Acceptance is the rows' own: each row's alpha is its request's accepted / checked drafts, starting from the
-policy's alpha for rows of its kind (greedy or sampled: sampling accepts less than greedy decoding from the same
-draft) as a prior. A measured rate is scaled by how many tokens the current rows are
-expected to emit against how many the rows it was measured on were (E(alpha, k) summed over the rows, both
-times), so rounds of requests that accept little (sampling, another language) do not turn drafting off for
-requests that accept much (greedy code, JSON under a grammar), nor the other way round. Rounds with sampled rows
-are measured apart from greedy ones (keyed by whether any row samples): a sampled position costs more host work
-than a greedy one (noise, the rejection rule), which a scale by acceptance does not capture, and drafting that
-pays for greedy rows may not for sampled rows at the same acceptance.
+k = 0 (plain decoding) competes on the same terms, so when the batch is full enough that verify calls grow faster
+than acceptance pays, drafting stops. Every _PROBE_EVERY rounds at a batch size one neighbour of the best k is tried
+again, so a change in acceptance or cost is noticed; while the best stays the same the gap between tries doubles, up
+to _PROBE_MAX rounds (a try is not free: after plain rounds the draft catches up on every token). Rounds with sampled
+rows are measured apart from greedy ones (keyed by whether any row samples): a sampled position costs more host work
+than a greedy one (noise, the rejection rule), and drafting that pays for greedy rows may not for sampled rows at the
+same acceptance.
 """
 
 from __future__ import annotations
+
+import bisect
+import math
 
 import numpy as np
 
@@ -39,6 +43,7 @@ _PROBE_EVERY = 16  # rounds at one batch size between tries of a neighbour of th
 _PROBE_MAX = 256  # ... and at most, the gap doubling while the best stays the same
 _MEMORY = 32  # a mean covers at most this many recent observations (machines are shared and noisy)
 _TRUSTED = 3  # rounds of a (batch, k) before its measured rate replaces the estimate
+_RECENT = 4  # rounds the machine's current speed is a mean of (ShapeTimes)
 _PRIOR_RESCUE = 0.3  # before a tree is measured: the share of the chain's rejections its siblings would catch
 
 
@@ -81,6 +86,80 @@ class CallCosts:
         return float(mean * (1 + _PRIOR_SLOPE * (b * t - 1)) / (1 + _PRIOR_SLOPE * (size - 1)))
 
 
+class ShapeTimes:
+    """The seconds a round of each shape takes, relative to the others, at one batch size (greedy or sampled rounds).
+
+    Two consecutive rounds of different shapes ran within milliseconds of each other, so the ratio of their seconds
+    holds whatever the machine's speed: each pair of shapes keeps the mean log ratio of its neighbouring rounds, and
+    a least-squares fit over the pairs gives every connected shape's log time. The current speed is the recent
+    rounds' seconds over their shape's relative time (a short mean), so a shape's time now is that speed times its
+    relative time. These machines' speed drifts by a third within minutes, more than neighbouring k differ, and the
+    means of each shape's own rounds, measured minutes apart, chose the wrong k.
+    """
+
+    def __init__(self):
+        self.pairs: dict[tuple, list[float]] = {}  # (a, b), a < b -> [mean log(seconds of b / seconds of a), count]
+        self.counts: dict[tuple, int] = {}  # shape -> the counts of its pairs, summed
+        self.last: tuple | None = None  # (shape, seconds) of the last round
+        self.speed: float | None = None  # recent seconds / relative time
+        self._logs: dict | None = None  # shape -> log relative time, refitted after a new pair
+
+    def record(self, shape, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        if self.last is not None and self.last[0] != shape:
+            a, b = sorted((self.last[0], shape))
+            ratio = math.log(seconds / self.last[1]) * (1 if shape == b else -1)
+            entry = self.pairs.setdefault((a, b), [0.0, 0])
+            if entry[1] < _MEMORY:
+                entry[1] += 1
+                self.counts[a] = self.counts.get(a, 0) + 1
+                self.counts[b] = self.counts.get(b, 0) + 1
+            entry[0] += (ratio - entry[0]) / entry[1]
+            self._logs = None
+        self.last = (shape, seconds)
+        log = self.logs().get(shape)
+        if log is not None:
+            sample = seconds / math.exp(log)
+            self.speed = sample if self.speed is None else self.speed + (sample - self.speed) / _RECENT
+
+    def now(self, shape) -> float | None:
+        """Seconds a round of ``shape`` takes at the current speed; None until it was timed against others
+        _TRUSTED times."""
+        log = self.logs().get(shape)
+        if log is None or self.speed is None or self.counts.get(shape, 0) < _TRUSTED:
+            return None
+        return self.speed * math.exp(log)
+
+    def logs(self) -> dict:
+        """Log relative time of each shape connected (through pairs) to the first one paired, that one at 0."""
+        if self._logs is None:
+            self._logs = {}
+            if self.pairs:
+                anchor = next(iter(self.pairs))[0]
+                linked, grew = {anchor}, True
+                while grew:
+                    grew = False
+                    for a, b in self.pairs:
+                        if (a in linked) != (b in linked):
+                            linked |= {a, b}
+                            grew = True
+                shapes = sorted(linked)
+                index = {shape: i for i, shape in enumerate(shapes)}
+                rows, targets = [], []
+                for (a, b), (mean, n) in self.pairs.items():
+                    if a in index:
+                        row = np.zeros(len(shapes))
+                        row[index[b]], row[index[a]] = math.sqrt(n), -math.sqrt(n)
+                        rows.append(row)
+                        targets.append(mean * math.sqrt(n))
+                anchor_row = np.zeros(len(shapes))
+                anchor_row[index[anchor]] = 1e3
+                solution = np.linalg.lstsq(np.array(rows + [anchor_row]), np.array(targets + [0.0]), rcond=None)[0]
+                self._logs = {shape: float(solution[i]) for shape, i in index.items()}
+        return self._logs
+
+
 class LoadAwareK:
     """The k (and, with a tree drafter, the tree width) of each round.
 
@@ -101,11 +180,13 @@ class LoadAwareK:
         self.target = CallCosts()
         self.tree_target = CallCosts()  # tree calls apart: on onnxruntime they run another graph than chains do
         self.draft = CallCosts()
-        # (b, k, width, sampled) -> [mean tokens, mean seconds, rounds, mean tokens expected from the rows' acceptance]
+        # (b, k, width, sampled) -> [mean tokens, mean seconds, rounds, mean tokens expected from the rows' acceptance]:
+        # the choice reads the seconds; the tokens against those expected show how the acceptance model fares
         self.rounds: dict[tuple, list[float]] = {}
         self.since_probe: dict[tuple, int] = {}  # (b, sampled) -> rounds since the last try of a neighbour
         self.probe_gap: dict[tuple, int] = {}  # (b, sampled) -> rounds between tries of a neighbour
         self.best: dict[tuple, tuple[int, int]] = {}  # (b, sampled) -> the best shape when last chosen
+        self.times: dict[tuple, ShapeTimes] = {}  # (b, sampled) -> the shapes' seconds relative to each other
         self.last_expected: float | None = None  # the chosen shape's expected tokens (record_round's ``expected``)
 
     def record_acceptance(self, proposed: int, accepted: int, width: int = 1, sampled: bool = False):
@@ -125,6 +206,7 @@ class LoadAwareK:
         alpha); ``sampled``: whether any of its rows sampled."""
         if expected is None:
             expected = self.expected_tokens(k, np.full(b, k), width)
+        self.times.setdefault((b, bool(sampled)), ShapeTimes()).record((k, width), seconds)
         entry = self.rounds.setdefault((b, k, width, bool(sampled)), [0.0, 0.0, 0, 0.0])
         entry[2] = min(entry[2] + 1, _MEMORY)
         entry[0] += (tokens - entry[0]) / entry[2]
@@ -192,11 +274,22 @@ class LoadAwareK:
         return self._rate(b, k, width, self.expected_tokens(k, caps, width, alphas), sampled)
 
     def _rate(self, b: int, k: int, width: int, expected: float, sampled: bool = False) -> float:
+        """``expected`` tokens over the seconds a round at this shape takes now: measured, once trusted (a shape
+        other than the best timed against the best, _timed), else estimated from its calls."""
+        seconds = self._timed(b, k, width, sampled)
+        return expected / (seconds if seconds is not None else self._estimated_cost(b, k, width))
+
+    def _timed(self, b: int, k: int, width: int, sampled: bool) -> float | None:
+        """Seconds a round at (b, k, width) takes now, as measured (None while untrusted): its time relative to the
+        other shapes' at the machine's current speed (ShapeTimes), else the mean of its own rounds. The tokens a
+        shape emits come from the acceptance, which every round measures, and not from its own rounds' tokens: those
+        vary by ~40 % a round, so the few tries a neighbour gets could not tell neighbouring k apart."""
         seen = self.rounds.get((b, k, width, bool(sampled)))
-        if seen is not None and seen[2] >= _TRUSTED and seen[1] > 0:
-            scale = expected / seen[3] if seen[3] > 0 else 1.0
-            return seen[0] * scale / seen[1]
-        return expected / self._estimated_cost(b, k, width)
+        if seen is None or seen[2] < _TRUSTED or seen[1] <= 0:
+            return None
+        times = self.times.get((b, bool(sampled)))
+        now = times.now((k, width)) if times is not None else None
+        return now if now is not None else seen[1]
 
     def call_cost(self, b: int, t: int, tree: bool = False) -> float | None:
         """Seconds of a target call over b rows of t tokens (tree calls apart), as measured or fitted so far; None
@@ -213,7 +306,8 @@ class LoadAwareK:
         the policy's alpha); ``sampled``: whether any row samples (such rounds are measured apart)."""
         alphas = None if seen is None else self.row_alphas(seen)
         top = min(int(caps.max()) if caps.size else 0, self.k_max)
-        candidates = [(0, 1)] + [(k, w) for k in self.allowed if k <= top for w in self.widths]
+        candidates = [(0, 1)] + [(k, w) for k in self.allowed[:bisect.bisect_right(self.allowed, top)]
+                                 for w in self.widths]
         self.last_expected = None
         if len(candidates) == 1:
             return 0, 1
