@@ -44,7 +44,13 @@ _PROBE_MAX = 256  # ... and at most, the gap doubling while the best stays the s
 _MEMORY = 32  # a mean covers at most this many recent observations (machines are shared and noisy)
 _TRUSTED = 3  # rounds of a (batch, k) before its measured rate replaces the estimate
 _RECENT = 4  # rounds the machine's current speed is a mean of (ShapeTimes)
+_REFIT = 8  # pairs of rounds between two fits of the shapes' relative times (a fit costs ~50 us)
 _PRIOR_RESCUE = 0.3  # before a tree is measured: the share of the chain's rejections its siblings would catch
+
+
+def _tokens(k: int, alphas, caps) -> float:
+    """E(alpha_r, min(k, cap_r)) summed over the rows."""
+    return sum(expected_tokens_per_call(a, int(min(k, c))) for a, c in zip(alphas, caps))
 
 
 class CallCosts:
@@ -102,7 +108,8 @@ class ShapeTimes:
         self.counts: dict[tuple, int] = {}  # shape -> the counts of its pairs, summed
         self.last: tuple | None = None  # (shape, seconds) of the last round
         self.speed: float | None = None  # recent seconds / relative time
-        self._logs: dict | None = None  # shape -> log relative time, refitted after a new pair
+        self._logs: dict | None = None  # shape -> log relative time: refitted for a new shape, or after _REFIT pairs
+        self._stale = 0  # pairs recorded since the last fit
 
     def record(self, shape, seconds: float) -> None:
         if seconds <= 0:
@@ -116,7 +123,10 @@ class ShapeTimes:
                 self.counts[a] = self.counts.get(a, 0) + 1
                 self.counts[b] = self.counts.get(b, 0) + 1
             entry[0] += (ratio - entry[0]) / entry[1]
-            self._logs = None
+            if self._logs is None or a not in self._logs or b not in self._logs:
+                self._logs = None  # a shape new to the fit: refit now
+            else:
+                self._stale += 1
         self.last = (shape, seconds)
         log = self.logs().get(shape)
         if log is not None:
@@ -133,8 +143,8 @@ class ShapeTimes:
 
     def logs(self) -> dict:
         """Log relative time of each shape connected (through pairs) to the first one paired, that one at 0."""
-        if self._logs is None:
-            self._logs = {}
+        if self._logs is None or self._stale >= _REFIT:
+            self._logs, self._stale = {}, 0
             if self.pairs:
                 anchor = next(iter(self.pairs))[0]
                 linked, grew = {anchor}, True
@@ -240,13 +250,16 @@ class LoadAwareK:
     def expected_tokens(self, k: int, caps: np.ndarray, width: int = 1, alphas=None) -> float:
         """Tokens a round of k drafts per row (at most ``caps``) is expected to emit: E(alpha, k) summed over rows.
         ``alphas``: the rows' own (row_alphas), else the policy's; a tree's rows scale its alpha by theirs."""
+        return _tokens(k, self._width_alphas(width, len(caps), alphas), caps)
+
+    def _width_alphas(self, width: int, rows: int, alphas) -> list[float]:
         base = self.alpha_of(width)
         if alphas is None:
-            alphas = [base] * len(caps)
-        elif width > 1:
+            return [base] * rows
+        if width > 1:
             chain = self.alpha_of(1)
-            alphas = [min(0.99, base * a / chain) for a in alphas]
-        return sum(expected_tokens_per_call(a, int(min(k, c))) for a, c in zip(alphas, caps))
+            return [min(0.99, base * a / chain) for a in alphas]
+        return alphas
 
     def tree_size(self, k: int, width: int) -> int:
         """Nodes of a (k, width) tree: the tokens its verify call carries besides the last token."""
@@ -311,7 +324,9 @@ class LoadAwareK:
         self.last_expected = None
         if len(candidates) == 1:
             return 0, 1
-        expected = {c: self.expected_tokens(c[0], caps, c[1], alphas) for c in candidates}
+        caps_list = caps.tolist()
+        by_width = {w: self._width_alphas(w, len(caps_list), alphas) for w in self.widths}
+        expected = {c: _tokens(c[0], by_width[c[1]], caps_list) for c in candidates}
         rates = {c: self._rate(b, *c, expected[c], sampled) for c in candidates}
         best = max(candidates, key=rates.get)
         choice = self._probe((b, bool(sampled)), best, candidates, rates)
