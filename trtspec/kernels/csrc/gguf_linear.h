@@ -63,6 +63,27 @@ struct Form {
   static constexpr int64_t group_bytes = codes_bytes + floats_bytes * (MIN ? 2 : 1);
 };
 
+// The lines kPrefetchBytes past a group of this form (__builtin_prefetch: a read, kept in every cache level, the
+// ISA files' _mm_prefetch(..., _MM_HINT_T0)). Internal linkage, as tile_rows.
+template <typename F>
+static inline void prefetch_form(const uint8_t* group) {
+  const uint8_t* ahead = group + kPrefetchBytes;
+#pragma GCC unroll 16
+  for (int64_t j = 0; j < F::group_bytes; j += 64) __builtin_prefetch(ahead + j, 0, 3);
+}
+
+// panels(Form<BITS, w.has_min, w.half_scales>{}): a layer's form as a compile-time type. Internal linkage, as tile_rows.
+template <int BITS, typename Panels>
+static inline void with_form(bool has_min, bool half_scales, const Panels& panels) {
+  if (has_min) {
+    if (half_scales) panels(Form<BITS, true, true>{});
+    else panels(Form<BITS, true, false>{});
+  } else {
+    if (half_scales) panels(Form<BITS, false, true>{});
+    else panels(Form<BITS, false, false>{});
+  }
+}
+
 struct Weights {
   const uint8_t* data;   // [panels, panel_bytes]
   int64_t k;             // input size

@@ -52,13 +52,6 @@ inline void prefetch_group(const Weights& w, const uint8_t* group) {
   for (int64_t j = 0; j < w.group_bytes; j += 64) _mm_prefetch(ahead + j, _MM_HINT_T0);
 }
 
-template <typename F>
-inline void prefetch_form(const uint8_t* group) {
-  const char* ahead = reinterpret_cast<const char*>(group) + kPrefetchBytes;
-#pragma GCC unroll 16
-  for (int64_t j = 0; j < F::group_bytes; j += 64) _mm_prefetch(ahead + j, _MM_HINT_T0);
-}
-
 template <bool HALF>
 inline __m512 floats_as(const uint8_t* p) {
   if constexpr (HALF) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -67,8 +60,7 @@ inline __m512 floats_as(const uint8_t* p) {
 
 // The 16 scales (or minimums) at p, as float32: float16 converted exactly, or float32 as stored.
 inline __m512 floats_at(const Weights& w, const uint8_t* p) {
-  return w.half_scales ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))
-                       : _mm512_loadu_ps(reinterpret_cast<const float*>(p));
+  return w.half_scales ? floats_as<true>(p) : floats_as<false>(p);
 }
 
 // maddubs and vpdpbusd need an unsigned left operand. Without VNNI a signed code's sign moves onto the activation
@@ -219,13 +211,7 @@ void panels(const Weights& w, const X& x, int64_t m, float* y, int64_t ldy, int6
 
 template <int BITS>
 void int8_bits(const Weights& w, const Int8Rows& x, float* y, int64_t ldy, int64_t p0, int64_t p1) {
-  if (w.has_min) {
-    if (w.half_scales) panels<Form<BITS, true, true>, true>(w, x, x.m, y, ldy, p0, p1);
-    else panels<Form<BITS, true, false>, true>(w, x, x.m, y, ldy, p0, p1);
-  } else {
-    if (w.half_scales) panels<Form<BITS, false, true>, true>(w, x, x.m, y, ldy, p0, p1);
-    else panels<Form<BITS, false, false>, true>(w, x, x.m, y, ldy, p0, p1);
-  }
+  with_form<BITS>(w.has_min, w.half_scales, [&](auto form) { panels<decltype(form), true>(w, x, x.m, y, ldy, p0, p1); });
 }
 
 void int8_any(const Weights& w, const Int8Rows& x, float* y, int64_t ldy, int64_t p0, int64_t p1) {
