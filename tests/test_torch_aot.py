@@ -90,6 +90,25 @@ def test_int8_rows_are_the_same_in_every_call_and_speculation_is_exact(gguf):
         assert Generator(engine, drafter=drafter).generate(PROMPT, max_new_tokens=24).token_ids == want, drafter
 
 
+def test_the_package_calls_our_kernels_as_c_functions(gguf):
+    """Built on the native kernels, the generated code calls their C shims (kernels.c_shims), never the proxy
+    executor's boxed dispatch: every linear layer of the file's blocks and, with int8 activations, every layer's
+    attention."""
+    import zipfile
+
+    for name, rowwise in (("torch", False), ("int8", True)):
+        manifest = json.loads((gguf[name] / "manifest.json").read_text())
+        assert manifest["build"]["kernel_calls"] == "c_shims"
+        with zipfile.ZipFile(gguf[name] / manifest["graph"]) as package:
+            [wrapper] = [package.read(n).decode() for n in package.namelist() if n.endswith(".wrapper.cpp")]
+        layers = manifest["model"]["num_layers"]
+        # each function's declaration, then its calls: q/k/v, o, gate/up and down a layer (one of the tiny file's
+        # down layers is float), and one attention a layer
+        assert wrapper.count("aoti_torch_cpu_gguf_linear(") >= 1 + 3 * layers, name
+        assert wrapper.count("aoti_torch_cpu_attention_rows(") == 1 + (layers if rowwise else 0), name
+        assert "call_function(" not in wrapper, name
+
+
 def _fresh_process(code: str, env: dict) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
                           env={**os.environ, **env}, timeout=300)

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .. import kernels
 from ..engines.torch_aot import CACHE_PAD, LIVE_STEP, PACKAGE, cpu_isa, kernel_schema, require_native_kernels
 from ..exporter.contract import max_call_tokens
 from ..exporter.gguf import find_gguf
@@ -164,7 +165,13 @@ def build_torch(path: Path, export_manifest: dict | None, out_dir: Path, *, weig
             meanwhile["isa"].join()
             build["cpu_isa"] = cpu_isa()
         log.info("AOTInductor: compiling the step into %s (about a minute on 2 cores)", PACKAGE)
-        with torch._inductor.config.patch(COMPILE_CONFIG):
+        config = dict(COMPILE_CONFIG)
+        if report is not None and device == "cpu":
+            # the kernels called as C functions, not through the dispatcher (kernels.c_shims): the package then
+            # needs the kernel library loaded before it, as kernel_schema's check at load makes sure
+            config["aot_inductor.custom_ops_to_c_shims"] = kernels.c_shims()
+            build["kernel_calls"] = "c_shims"
+        with torch._inductor.config.patch(config):
             torch._inductor.aoti_compile_and_package(program, package_path=str(tmp / PACKAGE))
         build["compile_s"] = round(time.perf_counter() - t, 1)
         if exported:

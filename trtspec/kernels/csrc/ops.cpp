@@ -134,23 +134,26 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
   TORCH_CHECK(packed.numel() == panels * w.groups * w.group_bytes, "gguf_linear: packed holds ", packed.numel(),
               " bytes, a [", n, ", ", k, "] layer of ", bits, "-bit codes takes ", panels * w.groups * w.group_bytes);
 
-  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  // a one-row call's fixed cost is a good part of it (a decode runs ~200 of them): no reshaped views, the output
+  // allocated in its final shape, and the rounded activations in a buffer kept by the calling thread
+  at::DimVector out_shape(x.sizes());
   out_shape.back() = n;
-  const at::Tensor x2 = x.reshape({-1, k}).contiguous();
-  const int64_t m = x2.size(0);
-  at::Tensor y = at::empty({m, panels * kPanel}, x.options());
-  if (m == 0) return y.narrow(1, 0, n).reshape(out_shape);
-  float* yp = y.data_ptr<float>();
+  const at::Tensor xc = x.is_contiguous() ? x : x.contiguous();
+  const int64_t m = x.numel() / k;
   const int64_t ldy = panels * kPanel;
+  at::Tensor y = ldy == n ? at::empty(out_shape, x.options()) : at::empty({m, ldy}, x.options());
+  if (m == 0) return ldy == n ? y : y.narrow(1, 0, n).reshape(out_shape);
+  float* yp = y.data_ptr<float>();
+  const float* xp = xc.data_ptr<float>();
   const Path* path = g_path;
   if (int8_activations) {
     // one buffer: codes [k/4, m] int32, then zsum [groups, m] int32, fsum and scale [groups, m] float32
-    at::Tensor rows_buffer = at::empty({(k / 4 + 3 * w.groups) * m}, x.options().dtype(at::kInt));
-    int32_t* qp = rows_buffer.data_ptr<int32_t>();
+    thread_local std::vector<int32_t> rows_buffer;
+    rows_buffer.resize(std::max<size_t>(rows_buffer.size(), (k / 4 + 3 * w.groups) * m));
+    int32_t* qp = rows_buffer.data();
     int32_t* zp = qp + (k / 4) * m;
     float* fp = reinterpret_cast<float*>(zp + w.groups * m);
     float* sp = fp + w.groups * m;
-    const float* xp = x2.data_ptr<float>();
     // split along K, never between rows: the rows of a chunk share cache lines (Int8Rows), and threads writing
     // one line each made a 17-row call's rounding cost more than its matmul; under 16K values it is one thread's
     const int zero = w.zero + (bits == 8 ? path->code_offset : 0);
@@ -160,12 +163,11 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
     const Int8Rows rows{qp, zp, fp, sp, m};
     parallel_chunks(panels, [&](int64_t p0, int64_t p1) { path->int8(w, rows, yp, ldy, p0, p1); });
   } else {
-    const at::Tensor xt = m == 1 ? x2 : x2.t().contiguous();  // [k, m]
+    const at::Tensor xt = m == 1 ? xc : xc.view({m, k}).t().contiguous();  // [k, m]
     const FloatRows rows{xt.data_ptr<float>(), m};
     parallel_chunks(panels, [&](int64_t p0, int64_t p1) { path->floats(w, rows, yp, ldy, p0, p1); });
   }
-  if (ldy != n) y = y.narrow(1, 0, n).contiguous();
-  return y.view(out_shape);
+  return ldy == n ? y : y.narrow(1, 0, n).contiguous().view(out_shape);
 }
 
 // torch.ops.trtspec.attention_rows: softmax(q k^T * scale [soft-capped], masked) v per query row, in an order
@@ -239,3 +241,34 @@ TORCH_LIBRARY_IMPL(trtspec, CPU, m) {
   m.impl("gguf_linear", &trtspec_gguf::gguf_linear);
   m.impl("attention_rows", &trtspec_gguf::attention_rows);
 }
+
+// ---- C shims: AOTInductor's generated code calls these directly (torch._inductor.config.aot_inductor.
+// custom_ops_to_c_shims, set by trtspec/torch_backend/aot.py), not through the dispatcher's boxed call, whose
+// argument stack cost a one-row call a few microseconds. Same arguments as the schemas above, bools as int32_t.
+#include <torch/csrc/inductor/aoti_torch/utils.h>
+
+extern "C" {
+
+__attribute__((visibility("default"))) AOTITorchError aoti_torch_cpu_gguf_linear(
+    AtenTensorHandle x, AtenTensorHandle packed, int64_t n, int64_t k, int64_t bits, int64_t group, int64_t zero,
+    int32_t has_min, int32_t half_scales, int32_t int8_activations, AtenTensorHandle* ret0) {
+  using torch::aot_inductor::tensor_handle_to_tensor_pointer;
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    *ret0 = torch::aot_inductor::new_tensor_handle(trtspec_gguf::gguf_linear(
+        *tensor_handle_to_tensor_pointer(x), *tensor_handle_to_tensor_pointer(packed), n, k, bits, group, zero,
+        has_min, half_scales, int8_activations));
+  });
+}
+
+__attribute__((visibility("default"))) AOTITorchError aoti_torch_cpu_attention_rows(
+    AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v, AtenTensorHandle mask, double scale, double softcap,
+    AtenTensorHandle* ret0) {
+  using torch::aot_inductor::tensor_handle_to_tensor_pointer;
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    *ret0 = torch::aot_inductor::new_tensor_handle(trtspec_gguf::attention_rows(
+        *tensor_handle_to_tensor_pointer(q), *tensor_handle_to_tensor_pointer(k), *tensor_handle_to_tensor_pointer(v),
+        *tensor_handle_to_tensor_pointer(mask), scale, softcap));
+  });
+}
+
+}  // extern "C"
