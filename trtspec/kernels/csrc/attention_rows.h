@@ -11,7 +11,9 @@
 //                                      pairwise (l + 8, then l + 4, l + 2, l + 1)
 //   [score_s = tanh(score_s / softcap) * softcap]
 //   e_s = exp(score_s - max_s score_s) exp_nonpositive below, 16 keys at a time
-//   out = (sum_s e_s * v_s) * (1 / sum_s e_s)   both sums in key order
+//   out = (sum_s e_s * v_s) * (1 / sum_s e_s)   the first in four sums of every fourth key, added as (0 + 1) +
+//                                               (2 + 3); the second 16 lanes at a time, then lanes_sum (D a
+//                                               multiple of 16; any other D: both in key order)
 // A row that sees no key gets NaN, as softmax over nothing does.
 #pragma once
 #include <cmath>
@@ -107,30 +109,33 @@ void attention_rows_of(const AttentionArgs& a, int64_t r0, int64_t r1, float* __
     float top = -inf;
     int64_t s = 0;
     if constexpr (C > 0) {  // 16 keys at a time (the same sums as one at a time below, fewer shuffles)
+      f16x tops = splat(-inf);  // the largest visible score lane by lane (a maximum: exact in any order)
       for (; s + kLanes <= a.S; s += kLanes) {
-        bool any = false;
-        for (int j = 0; j < kLanes; ++j) any |= m[(s + j) * a.ms];
-        if (!any) {
-          for (int j = 0; j < kLanes; ++j) e[s + j] = -inf;
+        i16x visible;
+        if (a.ms == 1) {
+          i8x16 bytes;
+          std::memcpy(&bytes, m + s, kLanes);
+          visible = __builtin_convertvector(bytes, i16x) != 0;
+        } else {
+          for (int j = 0; j < kLanes; ++j) visible[j] = m[(s + j) * a.ms] ? -1 : 0;
+        }
+        if (!lanes_any(visible)) {
+          store16(e + s, splat(-inf));
           continue;
         }
         const float* keys = kbase + s * a.D;
-        const f16x scores = lanes_sums16([&](int j) {
+        f16x scores = lanes_sums16([&](int j) {
           f16x lanes{};
           for (int c = 0; c < C; ++c) lanes = lanes + qv[c] * load16(keys + j * a.D + c * kLanes);
           return lanes;
         }) * a.scale;
-        for (int j = 0; j < kLanes; ++j) {
-          float score = scores[j];
-          if (!m[(s + j) * a.ms]) {
-            score = -inf;
-          } else {
-            if (a.softcap != 0.0f) score = std::tanh(score / a.softcap) * a.softcap;
-            top = score > top ? score : top;
-          }
-          e[s + j] = score;
-        }
+        if (a.softcap != 0.0f)
+          for (int j = 0; j < kLanes; ++j) scores[j] = std::tanh(scores[j] / a.softcap) * a.softcap;
+        scores = visible ? scores : splat(-inf);
+        store16(e + s, scores);
+        tops = max16(tops, scores);
       }
+      top = lanes_max(tops);
     }
     for (; s < a.S; ++s) {
       if (!m[s * a.ms]) {
@@ -157,20 +162,28 @@ void attention_rows_of(const AttentionArgs& a, int64_t r0, int64_t r1, float* __
     }
     for (int64_t s = a.S; s < padded; ++s) e[s] = -inf;
     for (int64_t s = 0; s < padded; s += kLanes) store16(e + s, exp_nonpositive(load16(e + s) - top));
-    float total = 0.0f;
     if constexpr (C > 0) {
-      f16x sum[C];
-      for (int c = 0; c < C; ++c) sum[c] = f16x{};
-      for (int64_t s = 0; s < a.S; ++s) {
+      // four sums, key s into sum s % 4 (one chain of additions over every key kept a row's loop waiting on its
+      // latency), and the weights' total 16 lanes at a time (the padding's weights are 0)
+      f16x sum[4][C];
+      for (int j = 0; j < 4; ++j)
+        for (int c = 0; c < C; ++c) sum[j][c] = f16x{};
+      auto add = [&](int j, int64_t s) {
         const float w = e[s];
-        if (w == 0.0f) continue;
-        total = total + w;
+        if (w == 0.0f) return;  // a masked key's value is never read
         const float* value = vbase + s * a.D;
-        for (int c = 0; c < C; ++c) sum[c] = sum[c] + splat(w) * load16(value + c * kLanes);
-      }
-      const float inv = 1.0f / total;
-      for (int c = 0; c < C; ++c) store16(o + c * kLanes, sum[c] * inv);
+        for (int c = 0; c < C; ++c) sum[j][c] = sum[j][c] + splat(w) * load16(value + c * kLanes);
+      };
+      int64_t s = 0;
+      for (; s + 4 <= a.S; s += 4)
+        for (int j = 0; j < 4; ++j) add(j, s + j);
+      for (int j = 0; s < a.S; ++s, ++j) add(j, s);
+      f16x weights{};
+      for (int64_t s = 0; s < padded; s += kLanes) weights = weights + load16(e + s);
+      const float inv = 1.0f / lanes_sum(weights);
+      for (int c = 0; c < C; ++c) store16(o + c * kLanes, ((sum[0][c] + sum[1][c]) + (sum[2][c] + sum[3][c])) * inv);
     } else {
+      float total = 0.0f;
       for (int64_t d = 0; d < a.D; ++d) acc[d] = 0.0f;
       for (int64_t s = 0; s < a.S; ++s) {
         const float w = e[s];

@@ -14,25 +14,12 @@
 namespace trtspec_gguf {
 namespace {
 
-typedef int8_t i8x16 __attribute__((vector_size(16)));
-
 inline f16x abs16(f16x v) {
   i16x bits;
   std::memcpy(&bits, &v, sizeof(v));
   bits &= 0x7FFFFFFF;
   std::memcpy(&v, &bits, sizeof(v));
   return v;
-}
-
-inline f16x max16(f16x a, f16x b) { return a > b ? a : b; }
-
-// The largest lane, folding the vector in halves.
-inline float lanes_max(f16x v) {
-  v = max16(v, __builtin_shuffle(v, i16x{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}));
-  v = max16(v, __builtin_shuffle(v, i16x{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11}));
-  v = max16(v, __builtin_shuffle(v, i16x{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13}));
-  v = max16(v, __builtin_shuffle(v, i16x{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}));
-  return v[0];
 }
 
 inline int32_t lanes_total(i16x v) {

@@ -21,5 +21,25 @@ inline void store16(float* p, f16x v) { std::memcpy(p, &v, sizeof(v)); }
 
 inline f16x splat(float x) { return f16x{} + x; }
 
+typedef int8_t i8x16 __attribute__((vector_size(16)));
+
+inline f16x max16(f16x a, f16x b) { return a > b ? a : b; }
+
+// The largest lane, folding the vector in halves.
+inline float lanes_max(f16x v) {
+  v = max16(v, __builtin_shuffle(v, i16x{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}));
+  v = max16(v, __builtin_shuffle(v, i16x{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11}));
+  v = max16(v, __builtin_shuffle(v, i16x{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13}));
+  v = max16(v, __builtin_shuffle(v, i16x{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}));
+  return v[0];
+}
+
+// Whether any lane is nonzero.
+inline bool lanes_any(i16x v) {
+  uint64_t words[8];
+  std::memcpy(words, &v, sizeof(v));
+  return (words[0] | words[1] | words[2] | words[3] | words[4] | words[5] | words[6] | words[7]) != 0;
+}
+
 }  // namespace
 }  // namespace trtspec_gguf
