@@ -166,10 +166,11 @@ def build_torch(path: Path, export_manifest: dict | None, out_dir: Path, *, weig
             build["cpu_isa"] = cpu_isa()
         log.info("AOTInductor: compiling the step into %s (about a minute on 2 cores)", PACKAGE)
         config = dict(COMPILE_CONFIG)
-        if report is not None and device == "cpu":
+        shims = kernels.c_shims() if report is not None and device == "cpu" else {}
+        if shims:
             # the kernels called as C functions, not through the dispatcher (kernels.c_shims): the package then
             # needs the kernel library loaded before it, as kernel_schema's check at load makes sure
-            config["aot_inductor.custom_ops_to_c_shims"] = kernels.c_shims()
+            config["aot_inductor.custom_ops_to_c_shims"] = shims
             build["kernel_calls"] = "c_shims"
         with torch._inductor.config.patch(config):
             torch._inductor.aoti_compile_and_package(program, package_path=str(tmp / PACKAGE))
