@@ -271,6 +271,26 @@ def test_attention_long_context_threads_and_a_row_that_sees_nothing():
         kernels.attention(q[:, :5], k, v, mask, 0.125)
 
 
+@pytest.mark.parametrize("d", [64, 24])
+def test_attention_over_a_whole_cache_equals_the_cache_cut_to_the_rows_visible_span(d, path):
+    """The engines pass the whole cache with its unwritten slots masked: a row's visible keys are a span in it (here
+    a sliding window, 37..299 of 2048, with a hole). Its bits are those of the cache cut to the span's 16-key blocks."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 6, 4, d, generator=g)
+    k, v = torch.randn(1, 3, 2048, d, generator=g), torch.randn(1, 3, 2048, d, generator=g)
+    pos = torch.arange(296, 300)[None, None, :, None]
+    keys = torch.arange(2048)
+    mask = (keys <= pos) & (keys > pos - 263) & (keys != 100)
+    kernels.use_path("reference")
+    expected = kernels.attention(q, k, v, mask, 0.125)
+    np.testing.assert_allclose(expected.double(), _reference_attention(q, k, v, mask, 0.125), rtol=1e-5, atol=2e-6)
+    for kernel_path in PATHS:
+        kernels.use_path(kernel_path)
+        assert torch.equal(kernels.attention(q, k, v, mask, 0.125), expected), kernel_path
+        cut = kernels.attention(q, k[:, :, 32:304], v[:, :, 32:304], mask[..., 32:304], 0.125)
+        assert torch.equal(cut, expected), kernel_path
+
+
 def test_attention_traces_with_torch_export():
     q, k, v, mask = _attention_case(64)
 

@@ -1,20 +1,26 @@
 // Attention one query row at a time, in an order fixed per row: a row's result is the same bits whatever the
 // call's number of rows and threads, and on every instruction set. The arithmetic is written on GCC's vectors of
-// 16 floats (vec16.h), lane by lane with no fused multiply-add; each ISA file includes this after its own
-// #pragma GCC target, and the compiler makes one zmm, two ymm or scalar code of it with the same IEEE steps per
-// lane. The int8-activation builds need that: their verify call's logits must equal the decode call's. It replaces
-// a graph of products and sums whose compiled loops divided once per key and head-dim chunk, and recomputed the
-// rotary embedding per key.
+// 16 floats (vec16.h), lane by lane, every multiply-add fused (fma16: vfmadd, or fmaf where the CPU has none);
+// each ISA file includes this after its own #pragma GCC target, and the compiler makes one zmm, two ymm or scalar
+// code of it with the same IEEE steps per lane. The int8-activation builds need that: their verify call's logits
+// must equal the decode call's. It replaces a graph of products and sums whose compiled loops divided once per key
+// and head-dim chunk, and recomputed the rotary embedding per key.
 //
 // Per row (b, h, t), kh = h / (H / Hkv) its key head, over the keys s with mask[b, t, s]:
-//   score_s = dot(q, k_s) * scale      dot: 16 lanes, lane l summing d = l, l + 16, ... in order, then the lanes
+//   score_s = dot(q, k_s) * scale      dot: 16 lanes, lane l fma-ing d = l, l + 16, ... in order, then the lanes
 //                                      pairwise (l + 8, then l + 4, l + 2, l + 1)
 //   [score_s = tanh(score_s / softcap) * softcap]
 //   e_s = exp(score_s - max_s score_s) exp_nonpositive below, 16 keys at a time
-//   out = (sum_s e_s * v_s) * (1 / sum_s e_s)   the first in four sums of every fourth key, added as (0 + 1) +
+//   out = (sum_s e_s * v_s) * (1 / sum_s e_s)   the first in four fma sums of every fourth key, added as (0 + 1) +
 //                                               (2 + 3); the second 16 lanes at a time, then lanes_sum (D a
 //                                               multiple of 16; any other D: both in key order)
 // A row that sees no key gets NaN, as softmax over nothing does.
+//
+// A row's mask may show only a span of the keys it is given (a sliding window, a batch row shorter than the call's
+// longest, a cache passed whole), so a row first finds that span (visible_span) and the loops run over its 16-key
+// blocks only. Outside it
+// every weight is 0: skipping those keys leaves every sum with the same bits (x + 0 = x), and the blocks start at
+// a multiple of 16, so a key keeps its lane and its sum s % 4.
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -76,17 +82,35 @@ inline f16x exp_nonpositive(f16x x) {
   const f16x n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // rint(x / ln2)
   const f16x r = (x - n * 0.693359375f) - n * -2.12194440e-4f;              // ln2 in two parts
   f16x p = splat(1.0f / 5040.0f);
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
+  p = fma16(p, r, splat(1.0f / 720.0f));
+  p = fma16(p, r, splat(1.0f / 120.0f));
+  p = fma16(p, r, splat(1.0f / 24.0f));
+  p = fma16(p, r, splat(1.0f / 6.0f));
+  p = fma16(p, r, splat(0.5f));
+  p = fma16(p, r, splat(1.0f));
+  p = fma16(p, r, splat(1.0f));
   const i16x bits = (__builtin_convertvector(n, i16x) + 127) << 23;
   f16x scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return tiny ? splat(0.0f) : p * scale;
+}
+
+// The keys [lo, hi) from a row's first visible key to its last (lo = hi: none), its mask's bytes read 64 at a time
+// from each end (a decode early in a long cache sees a short prefix of it).
+inline void visible_span(const bool* m, int64_t S, int64_t ms, int64_t& lo, int64_t& hi) {
+  auto any64 = [&](int64_t s) {
+    uint64_t words[8];
+    std::memcpy(words, m + s, sizeof(words));
+    return (words[0] | words[1] | words[2] | words[3] | words[4] | words[5] | words[6] | words[7]) != 0;
+  };
+  lo = 0;
+  hi = S;
+  if (ms == 1) {
+    while (lo + 64 <= hi && !any64(lo)) lo += 64;
+    while (hi - 64 >= lo && !any64(hi - 64)) hi -= 64;
+  }
+  while (lo < hi && !m[lo * ms]) ++lo;
+  while (hi > lo && !m[(hi - 1) * ms]) --hi;
 }
 
 // Rows [r0, r1) of the B * H * T with C = D / 16 (0: any D, the accumulators in scratch rather than registers);
@@ -106,11 +130,21 @@ void attention_rows_of(const AttentionArgs& a, int64_t r0, int64_t r1, float* __
     const bool* m = a.mask + b * a.mb + t * a.mt;
     f16x qv[C ? C : 1];
     for (int c = 0; c < C; ++c) qv[c] = load16(q + c * kLanes);
+    int64_t lo, hi;
+    visible_span(m, a.S, a.ms, lo, hi);
+    float* o = a.out + row * a.D;
+    if (lo == hi) {  // no key visible
+      for (int64_t d = 0; d < a.D; ++d) o[d] = std::numeric_limits<float>::quiet_NaN();
+      continue;
+    }
+    // the span's 16-key blocks: [first, last), last past S where S is not a multiple of 16
+    const int64_t first = lo / kLanes * kLanes, last = (hi + kLanes - 1) / kLanes * kLanes;
+    const int64_t end = last < a.S ? last : a.S;  // keys [first, end): scored, -inf where masked
     float top = -inf;
-    int64_t s = 0;
+    int64_t s = first;
     if constexpr (C > 0) {  // 16 keys at a time (the same sums as one at a time below, fewer shuffles)
       f16x tops = splat(-inf);  // the largest visible score lane by lane (a maximum: exact in any order)
-      for (; s + kLanes <= a.S; s += kLanes) {
+      for (; s + kLanes <= end; s += kLanes) {
         i16x visible;
         if (a.ms == 1) {
           i8x16 bytes;
@@ -126,7 +160,7 @@ void attention_rows_of(const AttentionArgs& a, int64_t r0, int64_t r1, float* __
         const float* keys = kbase + s * a.D;
         f16x scores = lanes_sums16([&](int j) {
           f16x lanes{};
-          for (int c = 0; c < C; ++c) lanes = lanes + qv[c] * load16(keys + j * a.D + c * kLanes);
+          for (int c = 0; c < C; ++c) lanes = fma16(qv[c], load16(keys + j * a.D + c * kLanes), lanes);
           return lanes;
         }) * a.scale;
         if (a.softcap != 0.0f)
@@ -137,7 +171,7 @@ void attention_rows_of(const AttentionArgs& a, int64_t r0, int64_t r1, float* __
       }
       top = lanes_max(tops);
     }
-    for (; s < a.S; ++s) {
+    for (; s < end; ++s) {
       if (!m[s * a.ms]) {
         e[s] = -inf;
         continue;
@@ -145,23 +179,18 @@ void attention_rows_of(const AttentionArgs& a, int64_t r0, int64_t r1, float* __
       const float* key = kbase + s * a.D;
       f16x lanes{};
       if constexpr (C > 0) {
-        for (int c = 0; c < C; ++c) lanes = lanes + qv[c] * load16(key + c * kLanes);
+        for (int c = 0; c < C; ++c) lanes = fma16(qv[c], load16(key + c * kLanes), lanes);
       } else {
-        for (int64_t c = 0; c < chunks; ++c) lanes = lanes + load16(q + c * kLanes) * load16(key + c * kLanes);
-        for (int64_t d = chunks * kLanes; d < a.D; ++d) lanes[d % kLanes] = lanes[d % kLanes] + q[d] * key[d];
+        for (int64_t c = 0; c < chunks; ++c) lanes = fma16(load16(q + c * kLanes), load16(key + c * kLanes), lanes);
+        for (int64_t d = chunks * kLanes; d < a.D; ++d) lanes[d % kLanes] = __builtin_fmaf(q[d], key[d], lanes[d % kLanes]);
       }
       float score = lanes_sum(lanes) * a.scale;
       if (a.softcap != 0.0f) score = std::tanh(score / a.softcap) * a.softcap;
       e[s] = score;
       top = score > top ? score : top;
     }
-    float* o = a.out + row * a.D;
-    if (top == -inf) {  // no key visible
-      for (int64_t d = 0; d < a.D; ++d) o[d] = std::numeric_limits<float>::quiet_NaN();
-      continue;
-    }
-    for (int64_t s = a.S; s < padded; ++s) e[s] = -inf;
-    for (int64_t s = 0; s < padded; s += kLanes) store16(e + s, exp_nonpositive(load16(e + s) - top));
+    for (int64_t s = end; s < last; ++s) e[s] = -inf;
+    for (int64_t s = first; s < last; s += kLanes) store16(e + s, exp_nonpositive(load16(e + s) - top));
     if constexpr (C > 0) {
       // four sums, key s into sum s % 4 (one chain of additions over every key kept a row's loop waiting on its
       // latency), and the weights' total 16 lanes at a time (the padding's weights are 0)
@@ -172,27 +201,27 @@ void attention_rows_of(const AttentionArgs& a, int64_t r0, int64_t r1, float* __
         const float w = e[s];
         if (w == 0.0f) return;  // a masked key's value is never read
         const float* value = vbase + s * a.D;
-        for (int c = 0; c < C; ++c) sum[j][c] = sum[j][c] + splat(w) * load16(value + c * kLanes);
+        for (int c = 0; c < C; ++c) sum[j][c] = fma16(splat(w), load16(value + c * kLanes), sum[j][c]);
       };
-      int64_t s = 0;
-      for (; s + 4 <= a.S; s += 4)
+      int64_t s = first;
+      for (; s + 4 <= end; s += 4)
         for (int j = 0; j < 4; ++j) add(j, s + j);
-      for (int j = 0; s < a.S; ++s, ++j) add(j, s);
+      for (int j = 0; s < end; ++s, ++j) add(j, s);
       f16x weights{};
-      for (int64_t s = 0; s < padded; s += kLanes) weights = weights + load16(e + s);
+      for (int64_t s = first; s < last; s += kLanes) weights = weights + load16(e + s);
       const float inv = 1.0f / lanes_sum(weights);
       for (int c = 0; c < C; ++c) store16(o + c * kLanes, ((sum[0][c] + sum[1][c]) + (sum[2][c] + sum[3][c])) * inv);
     } else {
       float total = 0.0f;
       for (int64_t d = 0; d < a.D; ++d) acc[d] = 0.0f;
-      for (int64_t s = 0; s < a.S; ++s) {
+      for (int64_t s = first; s < end; ++s) {
         const float w = e[s];
         if (w == 0.0f) continue;
         total = total + w;
         const float* value = vbase + s * a.D;
         for (int64_t c = 0; c < chunks; ++c)
-          store16(acc + c * kLanes, load16(acc + c * kLanes) + splat(w) * load16(value + c * kLanes));
-        for (int64_t d = chunks * kLanes; d < a.D; ++d) acc[d] = acc[d] + w * value[d];
+          store16(acc + c * kLanes, fma16(splat(w), load16(value + c * kLanes), load16(acc + c * kLanes)));
+        for (int64_t d = chunks * kLanes; d < a.D; ++d) acc[d] = __builtin_fmaf(w, value[d], acc[d]);
       }
       const float inv = 1.0f / total;
       for (int64_t d = 0; d < a.D; ++d) o[d] = acc[d] * inv;

@@ -98,12 +98,13 @@ struct Weights {
   int64_t group_bytes;   // codes + scales (+ minimums)
 };
 
-// A call's activations rounded to int8, laid out so that a tile's rows sit side by side: for each 4 consecutive k
-// (a "chunk", the 4 bytes one int32 lane of the weights meets), the m rows' 4 codes are m consecutive int32; and per
-// group, the m rows' values of what the group's float steps need. One pointer and constant offsets then reach every
-// row of a tile.
+// A call's activations rounded to int8, laid out so that a tile's rows sit side by side: per group of the layer, the
+// m rows' codes one after the other, a row's as S = group / 4 int32 (4 consecutive k, the 4 bytes one int32 lane of
+// the weights meets); and per group, the m rows' values of what the group's float steps need. One pointer per group
+// and constant offsets then reach every row and step of a tile (with [k / 4, m], a step's offset was a multiple of m,
+// and the compiler ran out of registers for the tile's addresses).
 struct Int8Rows {
-  const int32_t* q;      // [k / 4, m]: row r's codes at k = 4j .. 4j + 3 in q[j * m + r]
+  const int32_t* q;      // [groups, m, S]: row r's codes at k = g * group + 4s .. + 3 in q[(g * m + r) * S + s]
   const int32_t* zsum;   // [groups, m]: zero point * the sum of the row's codes over the group
   const float* fsum;     // [groups, m]: that sum (not times the zero point) as float32, for the minimum's term
   const float* scale;    // [groups, m]: the row's scale of the block of 32 the group lies in

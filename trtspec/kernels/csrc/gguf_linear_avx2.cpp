@@ -3,6 +3,7 @@
 // int32 sums, R int16 partial sums and R float sums. maddubs' int16 pair sums add up over kInt16Steps steps of a
 // group before madd widens them (the bounds of gguf_linear_avx512.h), so a 4-bit group costs one madd per row.
 #pragma GCC target("avx2,fma,f16c")
+#define TRTSPEC_VEC_YMM 1  // vec16.h's fma16
 #include <immintrin.h>
 
 #include "gguf_linear.h"
@@ -62,7 +63,7 @@ void int8_rows(const Weights& w, const uint8_t* panel, const Int8Rows& x, int64_
   constexpr int BITS = F::bits;
   constexpr int S = kSteps<BITS>;
   const int64_t groups = w.groups, m = x.m;
-  const int32_t* const xq = x.q + r0;
+  const int32_t* const xq = x.q + r0 * S;
   const int32_t* const xz = x.zsum + r0;
   const float* const xf = x.fsum + r0;
   const float* const xs = x.scale + r0;
@@ -73,7 +74,7 @@ void int8_rows(const Weights& w, const uint8_t* panel, const Int8Rows& x, int64_
     for (int64_t g = 0; g < groups; ++g) {
       const uint8_t* group = panel + g * F::group_bytes;
       prefetch_form<F>(group);
-      const int32_t* a0 = xq + g * S * m;  // step s, row r: a0[s * m + r]
+      const int32_t* a0 = xq + g * m * S;  // step s, row r: a0[r * S + s]
       __m256i dot[R], part[R];
       for (int r = 0; r < R; ++r) dot[r] = part[r] = _mm256_setzero_si256();
 #pragma GCC unroll 8
@@ -81,7 +82,7 @@ void int8_rows(const Weights& w, const uint8_t* panel, const Int8Rows& x, int64_
         const __m256i q = codes_of<BITS>(group, s, h);
         const __m256i uq = BITS == 8 ? _mm256_abs_epi8(q) : q;
         for (int r = 0; r < R; ++r) {
-          __m256i a = _mm256_set1_epi32(a0[s * m + r]);
+          __m256i a = _mm256_set1_epi32(a0[r * S + s]);
           if constexpr (BITS == 8) a = _mm256_sign_epi8(a, q);
           part[r] = _mm256_add_epi16(part[r], _mm256_maddubs_epi16(uq, a));
           if ((s + 1) % kInt16Steps<BITS> == 0) {

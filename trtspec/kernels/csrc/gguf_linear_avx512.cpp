@@ -1,5 +1,6 @@
 // AVX-512 (F, BW, VL, DQ) without VNNI: maddubs pair sums in int16, widened by madd (gguf_linear_avx512.h).
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma")
+#define TRTSPEC_VEC_ZMM 1  // vec16.h's fma16
 #include "gguf_linear_avx512.h"
 #include "attention_rows.h"
 #include "quantize_rows.h"

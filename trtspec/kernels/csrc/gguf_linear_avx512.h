@@ -78,7 +78,7 @@ void int8_rows(const Weights& w, const uint8_t* panel, const Int8Rows& x, int64_
   constexpr int BITS = F::bits;
   constexpr int S = kSteps<BITS>;
   const int64_t groups = w.groups, m = x.m;
-  const int32_t* const xq = x.q + r0;
+  const int32_t* const xq = x.q + r0 * S;
   const int32_t* const xz = x.zsum + r0;
   const float* const xf = x.fsum + r0;
   const float* const xs = x.scale + r0;
@@ -87,7 +87,7 @@ void int8_rows(const Weights& w, const uint8_t* panel, const Int8Rows& x, int64_
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* group = panel + g * F::group_bytes;
     prefetch_form<F>(group);
-    const int32_t* a0 = xq + g * S * m;  // step s, row r: a0[s * m + r]
+    const int32_t* a0 = xq + g * m * S;  // step s, row r: a0[r * S + s]
     __m512i dot[R];
     for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
 #ifndef TRTSPEC_VNNI
@@ -111,7 +111,7 @@ void int8_rows(const Weights& w, const uint8_t* panel, const Int8Rows& x, int64_
       const __m512i uq = BITS == 8 ? abs_codes(q) : q;
 #endif
       for (int r = 0; r < R; ++r) {
-        __m512i a = _mm512_set1_epi32(a0[s * m + r]);
+        __m512i a = _mm512_set1_epi32(a0[r * S + s]);
 #ifdef TRTSPEC_VNNI
         if (kOdd && s % 2) odd[r] = _mm512_dpbusd_epi32(odd[r], uq, a);
         else dot[r] = _mm512_dpbusd_epi32(dot[r], uq, a);

@@ -65,7 +65,8 @@ void int8_reference(const Weights& w, const Int8Rows& x, float* y, int64_t ldy, 
           int32_t dot = 0;
           for (int kk = 0; kk < w.group; ++kk) {
             const int64_t at = g * w.group + kk;
-            const int8_t a = reinterpret_cast<const int8_t*>(x.q + (at / 4) * x.m + r)[at % 4];
+            const int64_t steps = w.group / 4, chunk = at / 4 % steps;  // x.q [groups, m, steps]
+            const int8_t a = reinterpret_cast<const int8_t*>(x.q + (g * x.m + r) * steps + chunk)[at % 4];
             dot += code_at(w, group, c, kk) * a;
           }
           const int64_t i = g * x.m + r;

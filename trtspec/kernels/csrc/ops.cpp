@@ -147,7 +147,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
   const float* xp = xc.data_ptr<float>();
   const Path* path = g_path;
   if (int8_activations) {
-    // one buffer: codes [k/4, m] int32, then zsum [groups, m] int32, fsum and scale [groups, m] float32
+    // one buffer: codes [groups, m, group / 4] int32, then zsum [groups, m] int32, fsum and scale [groups, m] float32
     thread_local std::vector<int32_t> rows_buffer;
     rows_buffer.resize(std::max<size_t>(rows_buffer.size(), (k / 4 + 3 * w.groups) * m));
     int32_t* qp = rows_buffer.data();

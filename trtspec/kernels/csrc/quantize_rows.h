@@ -45,9 +45,14 @@ inline void quantize_rows_impl(const float* __restrict x, int64_t m, int64_t k, 
       const i8x16 blo = __builtin_convertvector(clo, i8x16), bhi = __builtin_convertvector(chi, i8x16);
       std::memcpy(codes, &blo, 16);
       std::memcpy(codes + 16, &bhi, 16);
-      for (int j = 0; j < 8; ++j) std::memcpy(q + (b * 8 + j) * m + r, codes + 4 * j, 4);
       // a group of 32 is the block; a group of 16 (Q6_K) is each half
       const int64_t g0 = b * 32 / group;
+      if (group == 32) {
+        std::memcpy(q + (g0 * m + r) * 8, codes, 32);
+      } else {
+        std::memcpy(q + (g0 * m + r) * 4, codes, 16);
+        std::memcpy(q + ((g0 + 1) * m + r) * 4, codes + 16, 16);
+      }
       if (group == 32) {
         const int32_t sum = lanes_total(clo + chi);
         zsum[g0 * m + r] = zero * sum;

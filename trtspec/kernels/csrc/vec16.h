@@ -3,6 +3,9 @@
 #pragma once
 #include <cstdint>
 #include <cstring>
+#if defined(TRTSPEC_VEC_ZMM) || defined(TRTSPEC_VEC_YMM)
+#include <immintrin.h>
+#endif
 
 namespace trtspec_gguf {
 namespace {
@@ -20,6 +23,28 @@ inline f16x load16(const float* p) {
 inline void store16(float* p, f16x v) { std::memcpy(p, &v, sizeof(v)); }
 
 inline f16x splat(float x) { return f16x{} + x; }
+
+// a * b + c rounded once, the same bits on every path: one vfmadd on a zmm, two on ymm halves (the ISA file defines
+// TRTSPEC_VEC_ZMM or TRTSPEC_VEC_YMM after its #pragma GCC target), else fmaf lane by lane (exact in software where
+// the CPU has no fused multiply-add). The build's -ffp-contract=off fuses nothing else.
+inline f16x fma16(f16x a, f16x b, f16x c) {
+#if defined(TRTSPEC_VEC_ZMM)
+  return reinterpret_cast<f16x>(_mm512_fmadd_ps(reinterpret_cast<__m512>(a), reinterpret_cast<__m512>(b),
+                                                reinterpret_cast<__m512>(c)));
+#elif defined(TRTSPEC_VEC_YMM)
+  __m256 ah[2], bh[2], ch[2];
+  std::memcpy(ah, &a, sizeof(a));
+  std::memcpy(bh, &b, sizeof(b));
+  std::memcpy(ch, &c, sizeof(c));
+  ch[0] = _mm256_fmadd_ps(ah[0], bh[0], ch[0]);
+  ch[1] = _mm256_fmadd_ps(ah[1], bh[1], ch[1]);
+  std::memcpy(&c, ch, sizeof(c));
+  return c;
+#else
+  for (int l = 0; l < kLanes; ++l) c[l] = __builtin_fmaf(a[l], b[l], c[l]);
+  return c;
+#endif
+}
 
 typedef int8_t i8x16 __attribute__((vector_size(16)));
 
