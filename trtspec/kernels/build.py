@@ -24,7 +24,7 @@ log = logging.getLogger("trtspec.kernels")
 SOURCES = Path(__file__).parent / "csrc"
 LIBRARY = "libtrtspec_kernels.so"
 # -ffp-contract=off: no multiply-add may be fused where the source has two operations (gguf_linear.h's int8 path
-# is specified without them, and the float path asks for its one fma explicitly)
+# is specified without them; the float path and attention ask for theirs explicitly, the same on every path)
 FLAGS = ["-O3", "-std=c++17", "-fPIC", "-fopenmp", "-ffp-contract=off", "-fvisibility=hidden", "-Wall",
          "-Wno-unused-function"]
 

@@ -96,7 +96,8 @@ void int8_rows(const Weights& w, const uint8_t* panel, const Int8Rows& x, int64_
                                         : _mm256_setzero_ps();
       const int64_t i = g * m;
       for (int r = 0; r < R; ++r) {
-        const __m256i idot = _mm256_sub_epi32(dot[r], _mm256_set1_epi32(xz[i + r]));
+        // zero * sum a is 0 for a type with minimums (zero point 0, checked by the op)
+        const __m256i idot = F::has_min ? dot[r] : _mm256_sub_epi32(dot[r], _mm256_set1_epi32(xz[i + r]));
         __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(idot), scale);
         if constexpr (F::has_min) t = _mm256_add_ps(t, _mm256_mul_ps(minimum, _mm256_set1_ps(xf[i + r])));
         acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(t, _mm256_set1_ps(xs[i + r])));

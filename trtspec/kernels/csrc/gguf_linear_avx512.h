@@ -133,7 +133,8 @@ void int8_rows(const Weights& w, const uint8_t* panel, const Int8Rows& x, int64_
     const __m512 minimum = F::has_min ? floats_as<F::half>(group + F::codes_bytes + F::floats_bytes) : _mm512_setzero_ps();
     const int64_t i = g * m;
     for (int r = 0; r < R; ++r) {
-      const __m512i idot = _mm512_sub_epi32(dot[r], _mm512_set1_epi32(xz[i + r]));
+      // zero * sum a is 0 for a type with minimums (zero point 0, checked by the op): one subtraction less a row
+      const __m512i idot = F::has_min ? dot[r] : _mm512_sub_epi32(dot[r], _mm512_set1_epi32(xz[i + r]));
       __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(idot), scale);
       if constexpr (F::has_min) t = _mm512_add_ps(t, _mm512_mul_ps(minimum, _mm512_set1_ps(xf[i + r])));
       acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(t, _mm512_set1_ps(xs[i + r])));

@@ -118,6 +118,8 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
   TORCH_CHECK(group == (bits == 6 ? 16 : 32), "gguf_linear: ", bits, "-bit codes come in groups of ",
               bits == 6 ? 16 : 32, ", got ", group);
   TORCH_CHECK(k % 32 == 0 && k > 0, "gguf_linear: k must be a positive multiple of 32, got ", k);
+  // every GGUF type with minimums has unsigned codes and zero point 0, and the int8 kernels rely on it (gguf_linear.h)
+  TORCH_CHECK(!has_min || zero == 0, "gguf_linear: a type with minimums has zero point 0, got ", zero);
   Weights w;
   w.data = packed.data_ptr<uint8_t>();
   w.k = k;
