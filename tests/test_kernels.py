@@ -185,6 +185,9 @@ def test_leading_dimensions_and_bad_arguments():
     with pytest.raises(RuntimeError, match="packed holds"):
         torch.ops.trtspec.gguf_linear(torch.zeros(1, 512), kernels.as_tensor(layer)[:-1], 40, 512, 4, 32, 0, True,
                                       layer.half_scales, False)
+    with pytest.raises(RuntimeError, match="minimums has zero point 0, got 8"):  # the int8 kernels rely on it
+        torch.ops.trtspec.gguf_linear(torch.zeros(1, 512), kernels.as_tensor(layer), 40, 512, 4, 32, 8, True,
+                                      layer.half_scales, True)
     with pytest.raises(RuntimeError, match="no path named 'sse9'"):
         kernels.use_path("sse9")
 

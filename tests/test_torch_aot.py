@@ -37,7 +37,7 @@ def gguf(tmp_path_factory):
     file = make_tiny_gguf(root / "tiny.gguf")
     exp = trtspec.export(file, root / "export", max_seq_len=S_MAX, max_batch=2)
     return {"file": file, "export": exp, "float": trtspec.build(exp, root / "float", weights="float"),
-            "torch": trtspec.build(exp, root / "torch", backend="torch"),
+            "torch": trtspec.build(exp, root / "torch"),  # the default backend for an export of a GGUF file
             "int8": trtspec.build(file, root / "int8", backend="torch", int8_activations=True, max_seq_len=S_MAX,
                                   max_batch=2)}
 
@@ -178,6 +178,26 @@ def test_build_options_are_checked(gguf, exported, tmp_path):
     with pytest.raises(ArtifactError, match="neither a Hugging Face model directory"):
         trtspec.build(tmp_path, tmp_path / "e", backend="torch")
     assert not any((tmp_path / name).exists() for name in "abcde")
+
+
+def test_the_default_backend_is_torch_for_a_gguf_file_and_its_export_and_onnxruntime_otherwise(
+        gguf, exported, model_dir, tmp_path, monkeypatch):
+    from trtspec import kernels
+    from trtspec.builder import default_backend
+
+    assert load_engine(gguf["torch"]).manifest["backend"] == "torch"  # built with no --backend
+    assert default_backend(gguf["export"]) == "torch"
+    assert default_backend(gguf["file"]) == "torch" and default_backend(model_dir("llama")) == "torch"
+    assert default_backend(gguf["export"], weights="float") == "onnxruntime"
+    assert default_backend(gguf["export"], fuse_qdq=False) == "onnxruntime"
+    assert default_backend(gguf["export"], fusion=False) == "onnxruntime"
+    assert default_backend(exported("llama")) == "onnxruntime"
+    assert default_backend(gguf["torch"]) == "onnxruntime"  # an engine: build then says to pass its export
+    assert default_backend(tmp_path) == "onnxruntime"  # nothing there: build then says what is missing
+    with pytest.raises(ArtifactError, match="no manifest.json"):
+        trtspec.build(tmp_path, tmp_path / "e")
+    monkeypatch.setattr(kernels, "load", lambda progress=None: "torch")  # no C++ compiler here
+    assert default_backend(gguf["export"]) == "onnxruntime"
 
 
 def test_float_engine_of_a_tree_export_equals_hf_with_trees_and_features(exported, built, model_dir, hf_model,

@@ -134,9 +134,11 @@ def _add_build(sub):
     p.add_argument("export_dir", help="an export artifact (export/NAME); --backend torch also takes the model itself, "
                                       "an HF model directory or a GGUF file, and needs no export")
     p.add_argument("-o", "--output", dest="out_dir", required=True, help="engine directory to write, e.g. engines/NAME")
-    p.add_argument("--backend", choices=["onnxruntime", "tensorrt", "torch"], default="onnxruntime",
+    p.add_argument("--backend", choices=["onnxruntime", "tensorrt", "torch"],
                    help="torch: the step module compiled ahead of time by AOTInductor into one package (for an export "
-                        "of a GGUF file, its linear layers on trtspec's own GGUF kernels)")
+                        "of a GGUF file, its linear layers on trtspec's own GGUF kernels). Default: torch for a GGUF "
+                        "file, an HF directory or an export of a GGUF file (where the kernels compile, and unless "
+                        "--weights float or an onnxruntime option is given), onnxruntime for any other export")
     ort_group = p.add_argument_group("onnxruntime only")
     gguf_group = p.add_argument_group("an export of a GGUF file (onnxruntime and torch)")
     ort_group.add_argument("--no-qdq-fusion", dest="fuse_qdq", action="store_false", default=None,

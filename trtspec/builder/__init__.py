@@ -11,14 +11,38 @@ from ..manifest import EXPORT_FORMAT, MANIFEST, read_manifest
 BACKENDS = ("onnxruntime", "tensorrt", "torch")
 
 
-def build(export_dir: str | os.PathLike, out_dir: str | os.PathLike, *, backend: str = "onnxruntime",
+def default_backend(path: str | os.PathLike, *, weights: str | None = None, fuse_qdq: bool | None = None,
+                    fusion: bool | None = None) -> str:
+    """The backend ``build`` picks for ``path`` when none is named. torch for the model itself (an HF directory or a
+    GGUF file: only it builds without an export) and for an export of a GGUF file built on the file's own blocks,
+    where trtspec's GGUF kernels compile: its calls cost a third of the onnxruntime engine's on SmolLM2
+    (benchmarks/results/torch-gguf.md). onnxruntime otherwise, and where an onnxruntime-only option was given."""
+    from ..exporter.gguf import find_gguf
+
+    path = Path(path)
+    if not (path / MANIFEST).is_file():
+        model = path.is_dir() and (path / "config.json").is_file() or find_gguf(path) is not None
+        return "torch" if model else "onnxruntime"  # (onnxruntime: read_manifest then says what is missing)
+    manifest = read_manifest(path)
+    if (manifest.get("format") != EXPORT_FORMAT or "gguf" not in manifest or weights == "float"
+            or fuse_qdq is not None or fusion is not None):
+        return "onnxruntime"
+    from .. import kernels
+
+    if kernels.load() != "native":  # its warning says why; the pure-torch path would be several times slower
+        return "onnxruntime"
+    return "torch"
+
+
+def build(export_dir: str | os.PathLike, out_dir: str | os.PathLike, *, backend: str | None = None,
           fuse_qdq: bool | None = None, weights: str | None = None, int8_activations: bool = False,
           fusion: bool | None = None, max_prefill: int | None = None, verify_tokens: list[int] | None = None,
           max_batch: int | None = None, workspace_mib: int | None = None,
           timing_cache: str | os.PathLike | None = None, device: str | None = None,
           max_seq_len: int | None = None) -> Path:
     """Build an engine artifact for ``backend`` from an export artifact; returns out_dir. ``trtspec build`` is this
-    call. None: the backend's default; an option of the other backend is refused.
+    call. ``backend`` None: default_backend's choice (torch for an export of a GGUF file, onnxruntime for other
+    exports). Any other option None: the backend's default; an option of another backend is refused.
 
     For onnxruntime: ``fuse_qdq`` (default True: quantized weights run in onnxruntime's quantized kernels),
     ``weights`` (an export of a GGUF file: "gguf", the default, runs the file's own quantized blocks; "float" its
@@ -34,6 +58,8 @@ def build(export_dir: str | os.PathLike, out_dir: str | os.PathLike, *, backend:
     cache (default 512 and 4).
     """
     export_dir = Path(export_dir)
+    if backend is None:
+        backend = default_backend(export_dir, weights=weights, fuse_qdq=fuse_qdq, fusion=fusion)
     direct = backend == "torch" and not (export_dir / MANIFEST).is_file()  # the model itself, not an export of it
     if max_seq_len is not None and not direct:
         raise ValueError("--max-seq-len applies only to --backend torch built from the model itself (an HF directory "
