@@ -21,7 +21,7 @@ def default_backend(path: str | os.PathLike, *, weights: str | None = None, fuse
 
     path = Path(path)
     if not (path / MANIFEST).is_file():
-        model = path.is_dir() and (path / "config.json").is_file() or find_gguf(path) is not None
+        model = (path / "config.json").is_file() or find_gguf(path) is not None
         return "torch" if model else "onnxruntime"  # (onnxruntime: read_manifest then says what is missing)
     manifest = read_manifest(path)
     if (manifest.get("format") != EXPORT_FORMAT or "gguf" not in manifest or weights == "float"

@@ -18,9 +18,8 @@
 //
 // A row's mask may show only a span of the keys it is given (a sliding window, a batch row shorter than the call's
 // longest, a cache passed whole), so a row first finds that span (visible_span) and the loops run over its 16-key
-// blocks only. Outside it
-// every weight is 0: skipping those keys leaves every sum with the same bits (x + 0 = x), and the blocks start at
-// a multiple of 16, so a key keeps its lane and its sum s % 4.
+// blocks only. Outside it every weight is 0: skipping those keys leaves every sum with the same bits (x + 0 = x),
+// and the blocks start at a multiple of 16, so a key keeps its lane and its sum s % 4.
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -182,7 +181,8 @@ void attention_rows_of(const AttentionArgs& a, int64_t r0, int64_t r1, float* __
         for (int c = 0; c < C; ++c) lanes = fma16(qv[c], load16(key + c * kLanes), lanes);
       } else {
         for (int64_t c = 0; c < chunks; ++c) lanes = fma16(load16(q + c * kLanes), load16(key + c * kLanes), lanes);
-        for (int64_t d = chunks * kLanes; d < a.D; ++d) lanes[d % kLanes] = __builtin_fmaf(q[d], key[d], lanes[d % kLanes]);
+        for (int64_t d = chunks * kLanes; d < a.D; ++d)
+          lanes[d % kLanes] = __builtin_fmaf(q[d], key[d], lanes[d % kLanes]);
       }
       float score = lanes_sum(lanes) * a.scale;
       if (a.softcap != 0.0f) score = std::tanh(score / a.softcap) * a.softcap;
