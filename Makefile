@@ -3,7 +3,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # On a machine without a GPU this takes the CPU build of torch; on a GPU machine install the CUDA build
-# of torch into the venv first (any version the pyproject allows) and this step keeps it.
+# of torch into the venv first (any version the pyproject allows) and run `make setup TORCH=torch`: it keeps it.
 TORCH ?= torch==2.13.0
 
 # what `make demo` needs: torch, trtspec with its GGUF reader, and the model

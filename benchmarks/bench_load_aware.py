@@ -1,4 +1,4 @@
-"""The load-aware k policy against every fixed chain length, one prompt at a time (issue 60's check).
+"""The load-aware k policy against every fixed chain length, one prompt at a time (the policy's check against fixed k).
 
     python benchmarks/bench_load_aware.py [--rounds 3] [--prompts 8] [--tokens 128] [--max-k 6]
 

@@ -55,7 +55,7 @@ PROMPTS = [
 
 
 def int4_draft():
-    """engines/stdlib-draft-int4: the bundled draft's INT4 build (made from its export, as the README shows)."""
+    """engines/stdlib-draft-int4: the bundled draft's INT4 build (made from its export, as docs/building.md shows)."""
     from trtspec import build, export, quantize
 
     engine = ROOT / "engines" / "stdlib-draft-int4"

@@ -301,7 +301,7 @@ def engines(gguf: Path, hf_dir: Path, want_tree: bool, want_draft: bool, log,
         out["tree"] = made(made_from(WORKDIR / "tree", hf_dir), lambda e: build(x, e))
         log(f"tree engine {out['tree']} ({time.perf_counter() - t:.0f} s)")
     if want_draft:
-        # bench_real's real-draft run (README, "A real model"): the draft distilled from the GGUF, exported,
+        # bench_real's real-draft run (docs/distilling.md): the draft distilled from the GGUF, exported,
         # quantized int4-rtn (blocks of 32, lm_head too) and built at models/bench/smollm2-draft-int4
         existing, source = WORK / "smollm2-draft-int4", WORK / "smollm2-draft"
         if (existing / "manifest.json").is_file():
@@ -315,7 +315,7 @@ def engines(gguf: Path, hf_dir: Path, want_tree: bool, want_draft: bool, log,
             out["draft"] = made(made_from(WORKDIR / "draft-int4", source), lambda e: build(q, e))
         else:
             missing["draft"] = (f"no draft model: neither {existing} nor {source} (the distilled SmolLM2 draft is "
-                                "not shipped; README, 'A real model', says how it was made)")
+                                "not shipped; docs/distilling.md says how it was made)")
     return out, missing
 
 

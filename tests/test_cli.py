@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
+import re
+
 import pytest
 
 from trtspec.cli import build_parser
@@ -60,3 +63,39 @@ def test_serve_takes_one_api_key_source_on_its_command_line(capsys):
     with pytest.raises(SystemExit) as exc:
         build_parser().parse_args(["serve", *REQUIRED["serve"], "--api-key", "a", "--api-key-file", "keys"])
     assert exc.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+
+
+def _option_helps():
+    """(command, option, help as `--help` prints it) for every option of every subcommand."""
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command").choices
+    for command, p in [("trtspec", parser), *sub.items()]:
+        formatter = p._get_formatter()
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction) or "-h" in action.option_strings:
+                continue
+            yield command, "/".join(action.option_strings) or action.dest, formatter._expand_help(action)
+
+
+def test_help_reads_as_a_reference_one_short_line_per_option_with_its_default():
+    flags = (argparse._StoreTrueAction, argparse._StoreFalseAction)
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command").choices
+    unstated = [f"{name} {a.option_strings[0]}" for name, p in sub.items() for a in p._actions
+                if a.option_strings and not a.required and not isinstance(a, (*flags, argparse._HelpAction))
+                and "default" not in p._get_formatter()._expand_help(a)]
+    assert not unstated, f"options whose help states no default: {unstated}"
+    helps = list(_option_helps())
+    assert len(helps) > 100
+    missing = [f"{c} {o}" for c, o, h in helps if not h.strip()]
+    assert not missing, f"options without help: {missing}"
+    long = [f"{c} {o}: {len(h)} characters" for c, o, h in helps if len(h) > 130]
+    assert not long, f"help longer than a line or two (move the detail to docs/): {long}"
+
+
+def test_help_holds_no_measured_figures():
+    measured = re.compile(r"\d(\.\d+)?x\b|tok/s|\d\s*ms\b|\bfaster\b \w* ?(than|on)|measured on|here\)")
+    found = [f"{c} {o}: {h}" for c, o, h in _option_helps() if measured.search(h)]
+    assert not found, f"help strings with measured figures (they belong in docs/): {found}"
+    # the check sees a figure where there is one
+    assert measured.search("1.16x faster decode on SmolLM2 here)") and measured.search("10.9 ms a call")

@@ -296,7 +296,8 @@ def check_step_inputs(input_ids, position_ids, *, max_batch: int, max_seq_len: i
     if first_row < 0 or first_row + b > max_batch:
         raise CapacityError(
             f"rows {first_row}..{first_row + b - 1} asked for but the engine holds {max_batch}; "
-            f"rebuild with --max-batch {first_row + b}"
+            f"build it with more rows (`trtspec export --max-batch {first_row + b}` then build; a torch build from "
+            f"the model itself or a TensorRT build: `trtspec build --max-batch {first_row + b}`)"
         )
     if input_ids.min() < 0 or input_ids.max() >= vocab_size:
         raise ValueError(f"token ids must lie in [0, {vocab_size}); got {input_ids.min()}..{input_ids.max()}")

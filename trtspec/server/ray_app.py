@@ -13,7 +13,7 @@ cannot see a request body, a deployment handle can):
 Routing: PrefixAwareRouter sends a prompt to the replica that was sent its longest prefix (its
 prefix cache likely holds the KV), unless that replica is busier than the least loaded by more than
 ``imbalance`` requests; otherwise Ray's power-of-two-choices. ``build_app`` is also the import path
-of a Serve config file (``serve run`` / ``serve deploy``; see the README).
+of a Serve config file (``serve run`` / ``serve deploy``; see docs/serving.md).
 """
 
 from __future__ import annotations
