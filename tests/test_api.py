@@ -86,5 +86,5 @@ def test_every_command_is_a_function_of_trtspec_with_its_options_as_parameters()
 
 
 def test_every_command_is_there():
-    assert set(commands(build_parser())) == {"export", "export-head", "quantize", "check", "build", "generate", "bench",
-                                             "serve", "bench-serve", "distill"}
+    assert set(commands(build_parser())) == {"export", "export-head", "quantize", "check", "build", "index", "generate",
+                                             "bench", "serve", "bench-serve", "distill"}

@@ -37,9 +37,9 @@ def test_generate_and_serve_share_their_engine_arguments():
     def engine_options(command):
         return {(tuple(a.option_strings), a.default, tuple(a.choices or ()), a.help)
                 for a in sub[command]._actions
-                if a.dest in ("target", "draft", "drafter", "num_draft_tokens", "k_policy", "threads")}
+                if a.dest in ("target", "draft", "drafter", "num_draft_tokens", "k_policy", "threads", "datastore")}
 
-    assert len(engine_options("generate")) == 6
+    assert len(engine_options("generate")) == 7
     assert engine_options("generate") == engine_options("serve")
 
 

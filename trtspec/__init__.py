@@ -4,7 +4,7 @@ export (HF dir -> step graph) -> quantize (optional Q/DQ passes) -> build (step 
 -> runtime (Generator).
 
 Each `trtspec` command is one function here, with the command's options as its parameters (same names, same
-defaults): export, export_head, quantize, check, build, generate, bench, serve, bench_serve, distill.
+defaults): export, export_head, quantize, check, build, index, generate, bench, serve, bench_serve, distill.
 """
 
 __version__ = "0.1.0"
@@ -26,6 +26,7 @@ from .exporter import export
 from .heads.export import export_head
 from .quantization import quantize
 from .runtime import Generator, GenerationResult, SamplingParams, Scheduler, VocabularyMismatchError
+from .runtime.drafters.datastore import build_index as index
 from .runtime.drafters.self_draft import self_draft
 from .runtime.generate import generate
 from .server.launch import serve
@@ -53,6 +54,7 @@ __all__ = [
     "export",
     "export_head",
     "generate",
+    "index",
     "load_engine",
     "quantize",
     "self_draft",

@@ -170,6 +170,24 @@ def _add_build(sub):
     p.set_defaults(run=run)
 
 
+def _add_index(sub):
+    from .runtime.drafters.datastore import DEFAULT_PATTERNS
+
+    p = sub.add_parser("index", help="files -> a datastore index that suffix decoding drafts from (--datastore)")
+    p.add_argument("paths", nargs="+", help="files and directories to index (code, text, .jsonl of past answers)")
+    p.add_argument("-o", "--output", dest="out_dir", required=True, help="index directory to write (e.g. index/NAME)")
+    p.add_argument("--tokenizer", required=True, help="the engine (or export) whose tokenizer the index is for")
+    p.add_argument("--patterns", nargs="+", default=DEFAULT_PATTERNS, metavar="GLOB",
+                   help="file patterns searched in directories (default: common code and text files)")
+
+    def run(args):
+        from . import index
+
+        print(_call(index, args))
+
+    p.set_defaults(run=run)
+
+
 K_POLICIES = ("load-aware", "fixed")  # the scheduler's (runtime/scheduler.py), without importing it here
 
 
@@ -191,6 +209,8 @@ def _add_engine_arguments(p) -> None:
     p.add_argument("--tree-nodes", type=_positive_int,
                    help="most tree nodes a round (default: k x tree-width; suffix and medusa: 16)")
     p.add_argument("--threads", type=_positive_int, help="threads an engine call uses (default: all cores)")
+    p.add_argument("--datastore", metavar="INDEX",
+                   help="an index (`trtspec index`) suffix decoding also drafts from (default: none)")
 
 
 def _add_generate(sub):
@@ -491,6 +511,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_quantize(sub)
     _add_check(sub)
     _add_build(sub)
+    _add_index(sub)
     _add_generate(sub)
     _add_bench(sub)
     _add_serve(sub)

@@ -9,12 +9,13 @@ def generate(target, prompt, draft=None, *, drafter: str | None = None, num_draf
              k_policy: str = "load-aware", tree_width: int = 1, tree_nodes: int | None = None,
              threads: int | None = None, chat: bool = False, system: str | None = None, max_new_tokens: int = 128,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-             stop: list[str] | None = None, backend: str = "auto", stream: bool = False):
+             stop: list[str] | None = None, backend: str = "auto", stream: bool = False, datastore=None):
     """Generate for ``prompt`` (a string -> GenerationResult; a list -> GenerationOutput, with .stats), speculating
     with ``draft``/``drafter`` as Generator does. ``chat``: each prompt is a user's message, put in the model's chat
     template after ``system``. ``backend`` "torch": the directories compiled with torch.compile (trtspec.compile)
     instead of the engines they hold. ``stream``: one prompt, and a Stream of its text deltas is returned instead
-    (its ``result`` once iterated). ``trtspec generate`` is this call."""
+    (its ``result`` once iterated). ``datastore``: an index (``trtspec index``) suffix decoding drafts from too.
+    ``trtspec generate`` is this call."""
     prompts = [prompt] if isinstance(prompt, str) else list(prompt)
     if system and not chat:
         raise ValueError("system goes with chat (--system with --chat): it is the chat's system message")
@@ -25,7 +26,7 @@ def generate(target, prompt, draft=None, *, drafter: str | None = None, num_draf
     if backend == "torch":
         target, draft = _torch_engines(target, draft, drafter, tree_width, tree_nodes)
     gen = Generator(target, draft, num_draft_tokens=num_draft_tokens, drafter=drafter, k_policy=k_policy,
-                    num_threads=threads, tree_width=tree_width, tree_nodes=tree_nodes,
+                    num_threads=threads, tree_width=tree_width, tree_nodes=tree_nodes, datastore=datastore,
                     max_batch=1 if len(prompts) == 1 else None)  # (one prompt: a session of one row)
     if chat:
         head = [{"role": "system", "content": system}] if system else []

@@ -37,7 +37,8 @@ import time
 import numpy as np
 
 from .drafters import DRAFTERS  # noqa: F401 - the names a Scheduler takes, as generator.py imports them
-from .drafters import REGISTRY, check_drafter, check_tree, default_drafter, make_drafter
+from .drafters import REGISTRY, check_datastore, check_drafter, check_tree, default_drafter, make_drafter
+from .drafters.datastore import open_datastore
 from .drafters.self_draft import SELF, self_draft
 from .forced import forced_tokens
 from .load_aware import LoadAwareK
@@ -71,7 +72,8 @@ class Scheduler(Submission):
     ``prefix_cache_mb`` bounds the KV slots kept for reuse (0 disables it); prompts sharing at
     least ``min_prefix_tokens`` tokens with a cached sequence reuse them. ``sampling`` is how
     sampled requests verify drafts (verify.RowSampler). ``aging_s``: waiting this long counts
-    as one priority level more.
+    as one priority level more. ``datastore``: an index of a corpus (``trtspec index``; a path or a loaded
+    drafters.datastore.Datastore) that suffix decoding also drafts from (the default drafter then).
     """
 
     def __init__(
@@ -91,12 +93,18 @@ class Scheduler(Submission):
         num_threads: int | None = None,
         tree_width: int = 1,
         tree_nodes: int | None = None,
+        datastore=None,
     ):
         self.target = open_engine(target, num_threads)
         self.tokenizer = load_tokenizer(self.target)
         if isinstance(draft, str) and draft == SELF:  # the target's own INT4 build (runtime/drafters/self_draft.py)
             draft = self_draft(self.target)
-        drafter = drafter or default_drafter(draft)
+        drafter = drafter or default_drafter(draft, datastore)
+        check_datastore(drafter, datastore)
+        # one mapped index for every row and request of this scheduler (a served process's too)
+        self.datastore = open_datastore(datastore)
+        if self.datastore is not None:
+            self.datastore.check_tokenizer(self.tokenizer, f"the target {self.target.path}")
         self._check_options(drafter, draft, k_policy, sampling, prefill_chunk, min_prefix_tokens, prefix_cache_mb,
                             aging_s)
         special = self.target.manifest["model"]["special_tokens"]
@@ -121,7 +129,7 @@ class Scheduler(Submission):
         # a head drafter's draft is its head: an engine (eagle3) or the heads' directory (medusa)
         self.drafter = make_drafter(drafter, target=self.target, draft=self.draft if self.draft is not None else draft,
                                     max_batch=self.max_batch, pad_id=self.pad_id, tree_width=self.tree_width,
-                                    tree_nodes=tree_nodes)
+                                    tree_nodes=tree_nodes, datastore=self.datastore)
         self.drafter_name = drafter
         self._drafts_after_forced = kind.drafts_after_forced
         # the k values the engines can verify in one call (TensorRT engines have fixed profiles)

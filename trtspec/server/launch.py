@@ -24,11 +24,13 @@ def serve(target, draft=None, *, drafter: str | None = None, num_draft_tokens: i
           served_model_name: str | None = None, drain_timeout: float = 30.0, log_prompts: bool = False,
           ray: bool = False, replicas: int = 1, autoscale: str | None = None, ray_address: str | None = None,
           router: str = "prefix", ray_metrics_port: int | None = None, direct_ingress: bool = False,
-          gpus_per_replica: float = 0.0) -> None:
+          gpus_per_replica: float = 0.0, datastore: str | os.PathLike | None = None) -> None:
     """Serve ``target`` (and ``draft``) over OpenAI's HTTP API until SIGTERM/SIGINT; ``trtspec serve`` is this call
     (see `trtspec serve --help` for each option). ``system_prompt``: texts whose KV is computed at start and kept;
     the API key: ``api_key``, else the keys of ``api_key_file``, else $TRTSPEC_API_KEY, else none. ``ray``: a Ray
-    Serve application (``replicas`` or ``autoscale`` "MIN:MAX", ``router``, ...) instead of one process."""
+    Serve application (``replicas`` or ``autoscale`` "MIN:MAX", ``router``, ...) instead of one process.
+    ``datastore``: an index (``trtspec index``) that suffix decoding drafts from, mapped once and shared by every
+    request (each Ray replica maps the same file: the pages are shared too)."""
     keys = api_keys(api_key, api_key_file)
     if ray:
         return _serve_ray(target, draft, drafter=drafter, num_draft_tokens=num_draft_tokens, k_policy=k_policy,
@@ -38,14 +40,15 @@ def serve(target, draft=None, *, drafter: str | None = None, num_draft_tokens: i
                           model_name=served_model_name, api_key=keys, log_prompts=log_prompts, replicas=replicas,
                           max_body_bytes=max_body_bytes, metrics_public=metrics_public,
                           parse_special_tokens=parse_special_tokens, autoscale=autoscale, host=host, port=port,
-                          address=ray_address, metrics_port=ray_metrics_port, direct_ingress=direct_ingress)
+                          address=ray_address, metrics_port=ray_metrics_port, direct_ingress=direct_ingress,
+                          datastore=os.path.abspath(datastore) if datastore else None)
     from ..runtime import Scheduler
     from .app import create_app
     from .run import serve as run_server
 
     scheduler = Scheduler(target, draft, drafter=drafter, num_draft_tokens=num_draft_tokens, k_policy=k_policy,
                           max_batch=max_batch, prefill_chunk=prefill_chunk, prefix_cache_mb=prefix_cache_mb,
-                          num_threads=threads, tree_width=tree_width, tree_nodes=tree_nodes)
+                          num_threads=threads, tree_width=tree_width, tree_nodes=tree_nodes, datastore=datastore)
     for text in system_prompt or ():
         log.info("cached a prefix of %d tokens", scheduler.register_prefix(text))
     name = served_model_name or Path(target).resolve().name

@@ -49,7 +49,7 @@ log = logging.getLogger("trtspec.server")
 ROUTERS = ("prefix", "pow2")
 _APP_OPTIONS = ("api_key", "log_prompts", "max_body_bytes", "metrics_public", "parse_special_tokens")
 _SCHEDULER_OPTIONS = ("drafter", "num_draft_tokens", "k_policy", "max_batch", "prefill_chunk", "prefix_cache_mb",
-                      "min_prefix_tokens", "sampling", "num_threads", "tree_width", "tree_nodes")
+                      "min_prefix_tokens", "sampling", "num_threads", "tree_width", "tree_nodes", "datastore")
 
 
 # -- the engine replica ------------------------------------------------------------------------------------------
@@ -358,7 +358,7 @@ def build_app(args: dict):
 
     ``args``: ``target`` (required), ``draft``, the Scheduler options (``drafter``, ``num_draft_tokens``,
     ``k_policy``, ``max_batch``, ``prefill_chunk``, ``prefix_cache_mb``, ``min_prefix_tokens``, ``sampling``,
-    ``num_threads``: threads per replica, default 1), ``replicas`` (default 1) or ``autoscale``
+    ``num_threads``: threads per replica, default 1; ``datastore``: an index every replica maps), ``replicas`` (default 1) or ``autoscale``
     (``{"min_replicas", "max_replicas", "target_ongoing_requests"}``), ``router`` ("prefix" | "pow2"),
     ``max_queue`` (requests queued beyond the replicas' rows before 429), ``gpus_per_replica``,
     ``system_prompts``, ``model_name``, ``health_check_period_s``, and the ingress's create_app options

@@ -24,6 +24,7 @@ from .eagle3 import Eagle3Drafter
 from .medusa import MedusaDrafter
 from .prompt_lookup import PromptLookupDrafter
 from .suffix import SuffixDrafter, SuffixThenDraft
+from .datastore import Datastore, build_index
 from .suffix_text import SuffixCache
 
 # name -> the drafter's class: what it needs (base.Drafter's class attributes) and how one is made (``make``)
@@ -33,17 +34,29 @@ DRAFTERS = tuple(REGISTRY)
 
 
 def make_drafter(name: str, *, target, draft=None, max_batch: int, pad_id: int, tree_width: int = 1,
-                 tree_nodes: int | None = None) -> Drafter:
-    """The drafter ``name`` (one of DRAFTERS) over a loaded target (and draft engine, or a head's path)."""
+                 tree_nodes: int | None = None, datastore=None) -> Drafter:
+    """The drafter ``name`` (one of DRAFTERS) over a loaded target (and draft engine, or a head's path); a
+    ``datastore`` (drafters/datastore.py, loaded) goes to the drafters that read one (suffix)."""
     if name not in REGISTRY:
         raise ValueError(f"unknown drafter {name!r}; choose one of {', '.join(DRAFTERS)}")
+    extra = {} if datastore is None else {"datastore": datastore}
     return REGISTRY[name].make(target=target, draft=draft, max_batch=max_batch, pad_id=pad_id, tree_width=tree_width,
-                               tree_nodes=tree_nodes)
+                               tree_nodes=tree_nodes, **extra)
 
 
-def default_drafter(draft) -> str:
-    """The drafter when none is named: the draft model's when a draft is given, else none."""
+def default_drafter(draft, datastore=None) -> str:
+    """The drafter when none is named: suffix decoding with a datastore, the draft model's when a draft is given,
+    else none."""
+    if datastore is not None:
+        return SuffixDrafter.name
     return DraftModelDrafter.name if draft is not None else Drafter.name
+
+
+def check_datastore(name: str, datastore) -> None:
+    """A datastore goes with the drafters that read one."""
+    if datastore is not None and not REGISTRY[name].reads_datastore:
+        raise ValueError(f"a datastore was given but drafter is {name!r}; a datastore extends suffix decoding: use "
+                         "drafter='suffix' (--drafter suffix), or drop the datastore")
 
 
 def check_drafter(name: str, draft, target) -> None:
@@ -82,6 +95,6 @@ def check_tree(name: str, width, nodes, target) -> tuple[int, int | None]:
     return width, nodes
 
 
-__all__ = ["ANY", "DRAFTERS", "REGISTRY", "DraftModelDrafter", "Drafter", "Eagle3Drafter", "MedusaDrafter",
-           "PromptLookupDrafter", "Proposal", "SuffixCache", "SuffixDrafter", "SuffixThenDraft", "check_drafter",
-           "check_tree", "default_drafter", "make_drafter"]
+__all__ = ["ANY", "DRAFTERS", "REGISTRY", "Datastore", "DraftModelDrafter", "Drafter", "Eagle3Drafter",
+           "MedusaDrafter", "PromptLookupDrafter", "Proposal", "SuffixCache", "SuffixDrafter", "SuffixThenDraft",
+           "build_index", "check_datastore", "check_drafter", "check_tree", "default_drafter", "make_drafter"]

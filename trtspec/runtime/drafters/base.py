@@ -51,6 +51,7 @@ class Drafter:
     needs_draft_model = False  # draft=PATH is required: a draft model's engine (eagle3: its head's)
     reads_features = False  # a head on the target's hidden states (draft=PATH: the exported head)
     combines_with_draft = False  # draft=PATH is optional: a draft model drafts the rows it has nothing for
+    reads_datastore = False  # datastore=INDEX: drafts from a corpus the user indexed (drafters/datastore.py)
     proposes_trees = False  # token trees of up to tree_nodes nodes, where the target verifies trees (a --tree export)
     branches = False  # tree_width > 1: siblings beside its chains, each round's width the load-aware policy's choice
     shapes_own_rounds = False  # it shapes each round itself from the verify call's measured costs (``costs``)

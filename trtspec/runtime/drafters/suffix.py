@@ -37,6 +37,7 @@ import numpy as np
 from ..verify import expected_tokens_per_call
 from .trees import pack_trees
 from .base import Drafter, Proposal
+from .datastore import Datastore, open_datastore
 from .draft_model import DraftModelDrafter
 from .suffix_text import _BITS, _MASK1, MAX_MATCH, MAX_OCCURRENCES, SuffixCache, _Text
 
@@ -46,11 +47,14 @@ _PROBE_EVERY = 32  # rounds with a match but nothing worth proposing, before one
 # the calibration is kept apart for 1-token (the row's own text only, see SuffixDrafter), short (2-3 tokens), longer
 # (4-7) and full (MAX_MATCH) matches: how far back the text agrees says how often what followed it follows again (a
 # regenerated answer matches in full and repeats whole; a 2-token match in prose rarely), which a continuation's
-# count alone does not say
-_CLASSES = 4
+# count alone does not say. A datastore's matches (drafters/datastore.py: a corpus, not this conversation) have
+# classes of their own: 2-3, 4-5, 6-8 and 9 or more tokens
+_CLASSES = 8
 
 
-def _match_class(m: int) -> int:
+def _match_class(m: int, indexed: bool = False) -> int:
+    if indexed:
+        return 4 if m < 4 else 5 if m < 6 else 6 if m < 9 else 7
     return 0 if m < 2 else 1 if m < 4 else 2 if m < MAX_MATCH else 3
 
 
@@ -74,22 +78,25 @@ class SuffixDrafter(Drafter):
     name = "suffix"
     proposes_drafts = True
     combines_with_draft = True  # (SuffixThenDraft)
+    reads_datastore = True
     proposes_trees = True
     shapes_own_rounds = True
     drafts_after_forced = False  # (its trees start at the row's last token, as a draft model's do)
 
     @classmethod
-    def make(cls, *, target, draft, max_batch, pad_id, tree_width, tree_nodes):
+    def make(cls, *, target, draft, max_batch, pad_id, tree_width, tree_nodes, datastore=None):
         # trees where the target verifies them; its cache of earlier outputs lives as long as the drafter
         suffix = cls(max_batch, tree=bool(getattr(target, "tree_verify", False)), tree_nodes=tree_nodes,
-                     one_token_matches=draft is None)
+                     one_token_matches=draft is None, datastore=datastore)
         return suffix if draft is None else SuffixThenDraft(suffix, DraftModelDrafter(draft, pad_id))
 
     def __init__(self, max_batch: int, *, cache: SuffixCache | None = None, tree: bool = False,
-                 tree_nodes: int | None = None, min_score: float = 0.1, costs=None, one_token_matches: bool = True):
+                 tree_nodes: int | None = None, min_score: float = 0.1, costs=None, one_token_matches: bool = True,
+                 datastore: Datastore | str | None = None):
         if not 0.0 <= min_score <= 1.0:
             raise ValueError(f"min_score must be in [0, 1], got {min_score!r}")
         self.cache = cache if cache is not None else SuffixCache()
+        self.datastore = open_datastore(datastore)  # a corpus drafted from after the row's text and the cache
         self.tree = tree
         self.tree_nodes = tree_nodes or 16
         self.min_score = min_score
@@ -135,7 +142,7 @@ class SuffixDrafter(Drafter):
             self._chain, self._depths = list(range(-1, deepest)), list(range(1, deepest + 2))
         # the verify call's seconds at 1 token a row; _shape asks for more tokens as it needs them, once a round
         call_costs = self._call_costs(b) if b else None
-        rows, tree, cache = self.rows, self.tree, self.cache
+        rows, tree, cache, store = self.rows, self.tree, self.cache, self.datastore
         ones = self.one_token_matches and call_costs is not None
         shaped: dict[tuple, list[int]] = {}  # this round's chain shapes by (match class, score): _chain_shape
         trees = []
@@ -150,8 +157,14 @@ class SuffixDrafter(Drafter):
             if held < length:
                 text.extend(tokens[r, held:length].tolist())
             match, found = text.find(text.seq, text._key)  # (its own tail: the end of its tokens)
+            indexed = False
             if found or cache.tokens:
                 match, found = self._continuations(text, depth, match, found)
+            if store is not None and match < MAX_MATCH:  # the index, where it matches longer than what was written
+                m_index, from_index = store.find(text.seq[-store.depth :], depth)
+                if m_index > match and (not found or self._first_odds(from_index, _match_class(m_index, True))
+                                        > self._first_odds(found, _match_class(match))):
+                    match, found, indexed = m_index, from_index, True
             if not found and ones:  # what followed the row's last token where it last occurred in its own text
                 p = text.last1.get(text._key & _MASK1, -1)
                 if p >= 0:
@@ -159,7 +172,7 @@ class SuffixDrafter(Drafter):
             if not found:
                 trees.append(([], []))
                 continue
-            c = _match_class(match)
+            c = _match_class(match, indexed)
             processor = samplers[r].processor if samplers is not None else None
             if processor is None or processor.constraint is None:
                 cont = found[0]
@@ -337,6 +350,20 @@ class SuffixDrafter(Drafter):
         index[-1] = -1
         return ([tokens[i] for i in ranked], [index[parent[i]] for i in ranked],
                 [count[i] / (total + 1) for i in ranked], [depth_of[i] for i in ranked])
+
+    def _first_odds(self, found: list[tuple[int, ...]], c: int) -> float:
+        """How likely the first drafted token of ``found`` is accepted: the share of continuations that agree on it
+        (one more counted elsewhere, as _candidates scores), times its match class's calibration at depth 1. Which
+        store drafts a row (its own text and the cache, or the datastore) is the one with the better odds: a
+        corpus' longer match often says less about this answer than the answer's own shorter one."""
+        votes: dict[int, int] = {}
+        for cont in found:
+            if cont:
+                votes[cont[0]] = votes.get(cont[0], 0) + 1
+        if not votes:
+            return 0.0
+        gain = self._gain[c]
+        return max(votes.values()) / (len(found) + 1) * (gain[1] if len(gain) > 1 else 1.0)
 
     def calibration(self, depth: int, match: int) -> float:
         """Accepted per predicted at ``depth`` after a ``match``-token match (1: the scores are taken as they are,
