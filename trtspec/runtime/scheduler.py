@@ -18,9 +18,8 @@ scheduler decides and never calls an engine; engine rows are slots (llama.cpp's 
   5. update: the tokens join each request through the one stop rule (stop_rule.RequestOutput); statistics and the
      policy learn from the result (stats.py); finished or cancelled rows retire (the last decoding row moves into
      the hole), their slots saved for the prefix cache in a step of cache moves before their results go out.
-A lone greedy row that drafts nothing decodes in the engine's own loop (engines.base.greedy_steps), each token
-through the same stop rule. Everything a caller can get wrong is checked in the caller's thread before the request
-is queued.
+A lone greedy row that drafts nothing decodes in the engine's own loop (engines.base.greedy_steps), each token through
+the same stop rule. Everything a caller can get wrong is checked in the caller's thread before the request is queued.
 
 Isolation: what one request's own processing raises inside a step — its grammar (which fails or dead-ends only
 while decoding), logits processing, sampling, its sink — fails that request alone (``_fault``): per-row steps are
@@ -38,7 +37,6 @@ import numpy as np
 
 from .drafters import DRAFTERS  # noqa: F401 - the names a Scheduler takes, as generator.py imports them
 from .drafters import REGISTRY, check_datastore, check_drafter, check_tree, default_drafter, make_drafter
-from .drafters.datastore import open_datastore
 from .drafters.self_draft import SELF, self_draft
 from .forced import forced_tokens
 from .load_aware import LoadAwareK
@@ -62,18 +60,16 @@ log = logging.getLogger("trtspec.scheduler")
 class Scheduler(Submission):
     """Continuous batching with speculation over a target engine and an optional drafter.
 
-    ``target``/``draft`` are engine or export directories, or loaded engines; ``draft="self"`` drafts with
-    the target's own INT4 build (made once, see runtime/drafters/self_draft.py). ``drafter`` is one of DRAFTERS
+    ``target``/``draft`` are engine or export directories, or loaded engines; ``draft="self"`` drafts with the
+    target's own INT4 build (made once, see runtime/drafters/self_draft.py). ``drafter`` is one of DRAFTERS
     (runtime/drafters/__init__.py: what each is and needs; the draft model's drafter when a draft is given);
-    ``tree_width``/``tree_nodes`` shape token trees (a --tree target). ``num_draft_tokens`` is the
-    default k of a request (each may ask for its own). ``k_policy`` "load-aware" chooses each
-    round's k from measured costs at the current batch size (down to 0); "fixed" drafts every
-    row's own k. ``prefill_chunk`` bounds the prompt tokens read per step (one call).
-    ``prefix_cache_mb`` bounds the KV slots kept for reuse (0 disables it); prompts sharing at
-    least ``min_prefix_tokens`` tokens with a cached sequence reuse them. ``sampling`` is how
-    sampled requests verify drafts (verify.RowSampler). ``aging_s``: waiting this long counts
-    as one priority level more. ``datastore``: an index of a corpus (``trtspec index``; a path or a loaded
-    drafters.datastore.Datastore) that suffix decoding also drafts from (the default drafter then).
+    ``tree_width``/``tree_nodes`` shape token trees (a --tree target). ``num_draft_tokens`` is the default k of a
+    request (each may ask for its own). ``k_policy`` "load-aware" chooses each round's k from measured costs at the
+    current batch size (down to 0); "fixed" drafts every row's own k. ``prefill_chunk`` bounds the prompt tokens read
+    per step (one call). ``prefix_cache_mb`` bounds the KV slots kept for reuse (0 disables it); prompts sharing at
+    least ``min_prefix_tokens`` tokens with a cached sequence reuse them. ``sampling`` is how sampled requests verify
+    drafts (verify.RowSampler). ``aging_s``: waiting this long counts as one priority level more. ``datastore``: an
+    index (``trtspec index``) suffix decoding also drafts from.
     """
 
     def __init__(
@@ -100,11 +96,7 @@ class Scheduler(Submission):
         if isinstance(draft, str) and draft == SELF:  # the target's own INT4 build (runtime/drafters/self_draft.py)
             draft = self_draft(self.target)
         drafter = drafter or default_drafter(draft, datastore)
-        check_datastore(drafter, datastore)
-        # one mapped index for every row and request of this scheduler (a served process's too)
-        self.datastore = open_datastore(datastore)
-        if self.datastore is not None:
-            self.datastore.check_tokenizer(self.tokenizer, f"the target {self.target.path}")
+        self.datastore = check_datastore(drafter, datastore, self.tokenizer, f"the target {self.target.path}")
         self._check_options(drafter, draft, k_policy, sampling, prefill_chunk, min_prefix_tokens, prefix_cache_mb,
                             aging_s)
         special = self.target.manifest["model"]["special_tokens"]

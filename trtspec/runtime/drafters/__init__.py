@@ -24,7 +24,7 @@ from .eagle3 import Eagle3Drafter
 from .medusa import MedusaDrafter
 from .prompt_lookup import PromptLookupDrafter
 from .suffix import SuffixDrafter, SuffixThenDraft
-from .datastore import Datastore, build_index
+from .datastore import Datastore, build_index, open_datastore
 from .suffix_text import SuffixCache
 
 # name -> the drafter's class: what it needs (base.Drafter's class attributes) and how one is made (``make``)
@@ -52,11 +52,17 @@ def default_drafter(draft, datastore=None) -> str:
     return DraftModelDrafter.name if draft is not None else Drafter.name
 
 
-def check_datastore(name: str, datastore) -> None:
-    """A datastore goes with the drafters that read one."""
-    if datastore is not None and not REGISTRY[name].reads_datastore:
+def check_datastore(name: str, datastore, tokenizer, what: str) -> Datastore | None:
+    """The datastore (a path, loaded here, or a loaded one) for drafter ``name``, checked: only a drafter that reads
+    one takes it, and it must be of ``tokenizer``'s vocabulary (``what``'s, for the message). None: none given."""
+    if datastore is None:
+        return None
+    if not REGISTRY[name].reads_datastore:
         raise ValueError(f"a datastore was given but drafter is {name!r}; a datastore extends suffix decoding: use "
                          "drafter='suffix' (--drafter suffix), or drop the datastore")
+    store = open_datastore(datastore)
+    store.check_tokenizer(tokenizer, what)
+    return store
 
 
 def check_drafter(name: str, draft, target) -> None:
