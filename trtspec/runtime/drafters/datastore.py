@@ -119,7 +119,9 @@ def suffix_array(text: np.ndarray, depth: int = DEPTH) -> np.ndarray:
     n = text.size
     if n == 0:
         return np.zeros(0, np.uint32)
-    values = text.astype(np.uint64) + np.uint64(1)  # 0: past the end, below every token (a prefix sorts first)
+    # each id as its rank among the ids present, from 1 (order kept; 0: past the end, below every token, so a prefix
+    # sorts first): a 49,152-token vocabulary and its separator pack 4 to a key in 16 bits, not 3 in 17
+    values = np.cumsum(np.bincount(text) > 0).astype(np.uint64)[text]
     bits = int(values.max()).bit_length()
     k = max(1, min(depth, 64 // bits))  # tokens packed side by side in one uint64 key
     padded = np.concatenate([values, np.zeros(k, np.uint64)])
@@ -164,7 +166,7 @@ def build_index(paths, out_dir, *, tokenizer, patterns=DEFAULT_PATTERNS) -> Path
 
     def flush():  # one tokenizer call over a batch of files' documents (the fast tokenizer runs them in parallel)
         texts = [d for _, _, file_docs in batch for d in file_docs if isinstance(d, str)]
-        encoded = iter(tok(texts, add_special_tokens=False)["input_ids"] if texts else [])
+        encoded = iter(_encode(tok, texts) if texts else [])
         for f, st, file_docs in batch:
             parts = []
             for d in file_docs:
@@ -216,6 +218,15 @@ def build_index(paths, out_dir, *, tokenizer, patterns=DEFAULT_PATTERNS) -> Path
     log.info("indexed %d files, %d tokens (%.1f MB of text) in %.1f s", len(entries), reverse.size, text_bytes / 1e6,
              time.perf_counter() - t0)
     return Path(out_dir)
+
+
+def _encode(tok, texts: list[str]) -> list[list[int]]:
+    """Token ids of each text, no special tokens: a fast tokenizer's backend without offsets where it has one
+    (1.3x faster here: the offsets are most of what the ids do not need), else the tokenizer's own call."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is not None and hasattr(backend, "encode_batch_fast"):
+        return [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=False)]
+    return tok(texts, add_special_tokens=False)["input_ids"]
 
 
 def _load_tokenizer(tokenizer):
