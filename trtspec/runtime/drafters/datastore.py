@@ -6,7 +6,7 @@ request's own text and earlier outputs have nothing as long (retrieval drafting,
     manifest.json   format "trtspec-datastore": tokens, token width, the separator id, the tokenizer's fingerprint
                     (vocabulary size and a sha256 of its token -> id map), each source file's path, size, mtime and tokens (``sources``)
     text.bin        the corpus' token ids in REVERSE order, each a big-endian unsigned integer of ``width`` bytes
-                    (2 where every id fits below 0xFFFF, else 4); SEP (the width's largest value) after every document
+                    (2 for a vocabulary below 0xFF00 ids, else 4); SEP (the width's largest value) after every document
     sa.bin          the suffix array of text.bin: uint32 little-endian starts of its suffixes, sorted by their first
                     DEPTH tokens (prefix doubling; ties beyond DEPTH keep position order)
 
@@ -199,8 +199,6 @@ def build_index(paths, out_dir, *, tokenizer, patterns=DEFAULT_PATTERNS) -> Path
     flush()
     progress.close()
     forward = np.concatenate(chunks) if chunks else np.zeros(0, np.int64)
-    if forward.size and int(forward[forward != sep].max(initial=0)) >= sep:
-        raise ArtifactError(f"token ids reach {int(forward.max())}, beyond what the index stores")
     if forward.size >= 1 << 32:
         raise ArtifactError(f"{forward.size} tokens: an index holds at most 2**32 - 1; index less text")
     reverse = forward[::-1].copy()
