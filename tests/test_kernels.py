@@ -347,3 +347,33 @@ np.save(__import__("sys").argv[1], np.stack([y, f]))
     assert np.array_equal(y, int8_model(b, x))
     w = kernels.dequantize(b).astype(np.float64)
     np.testing.assert_allclose(f, x @ w.T, rtol=1e-5, atol=1e-4)
+
+
+def test_trtspec_kernel_path_chooses_the_path_and_refuses_one_this_cpu_lacks():
+    """$TRTSPEC_KERNEL_PATH picks the path at load (the slowest vector path here gives the fastest's bits), and a
+    path the CPU cannot run is refused with the paths it can."""
+    script = """
+import numpy as np, torch
+from trtspec import kernels
+from trtspec.testing import gguf_blocks
+b = kernels.decode("Q4_1", gguf_blocks("Q4_1", 40, 512, np.random.default_rng(0)), 40, 512)
+x = torch.from_numpy(np.random.default_rng(1).normal(0, 1, (5, 512)).astype(np.float32))
+np.save(__import__("sys").argv[1], np.stack([kernels.linear(x, kernels.pack(b), i).numpy() for i in (True, False)]))
+print("PATH", kernels.status()["path"])
+"""
+    chosen = PATHS[-2] if len(PATHS) > 1 else PATHS[0]
+    out = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"kernel-path-{os.getpid()}.npy")
+    done = subprocess.run([sys.executable, "-c", script, out], env={**os.environ, "TRTSPEC_KERNEL_PATH": chosen},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"PATH {chosen}" in done.stdout
+    _, b = _layer("Q4_1")
+    x = torch.from_numpy(_x(5, 512))
+    y = np.load(out)
+    os.remove(out)
+    assert np.array_equal(y[0], kernels.linear(x, kernels.pack(b), True).numpy())
+    assert np.array_equal(y[1], kernels.linear(x, kernels.pack(b), False).numpy())
+    done = subprocess.run([sys.executable, "-c", script, out], env={**os.environ, "TRTSPEC_KERNEL_PATH": "avx1024"},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "TRTSPEC_KERNEL_PATH='avx1024'" in done.stderr and f"{PATHS}" in done.stderr

@@ -35,7 +35,8 @@ _status: dict = {}
 
 def load(progress=sys.stderr) -> str:
     """Make torch.ops.trtspec.gguf_linear available; returns "native" (the compiled kernels) or "torch" (the
-    pure-torch path, where they could not be built)."""
+    pure-torch path, where they could not be built). The fastest ISA path this CPU runs is used, or the one named by
+    $TRTSPEC_KERNEL_PATH (e.g. avx2, to compare paths on one machine)."""
     if _status:
         return _status["backend"]
     try:
@@ -52,6 +53,13 @@ def load(progress=sys.stderr) -> str:
         _status.update(backend="torch", reason=str(e))
     torch.library.register_fake("trtspec::gguf_linear")(_fake)
     torch.library.register_fake("trtspec::attention_rows")(_attention_fake)
+    forced = os.environ.get("TRTSPEC_KERNEL_PATH")
+    if forced and _status["backend"] == "native":
+        runs = list(torch.ops.trtspec.gguf_kernel_paths())
+        if forced not in runs:
+            raise RuntimeError(f"TRTSPEC_KERNEL_PATH={forced!r}: this CPU runs the kernel paths {runs} (fastest "
+                               "first); set one of them, or unset TRTSPEC_KERNEL_PATH to use the fastest")
+        torch.ops.trtspec.gguf_kernel_path(forced)
     return _status["backend"]
 
 
@@ -100,7 +108,7 @@ def status() -> dict:
 
 
 def paths() -> list[str]:
-    """The kernel paths this CPU runs, fastest first (e.g. ["avx512vnni", "avx512", "avx2", "reference"])."""
+    """The kernel paths this CPU runs, fastest first (e.g. ["avx512vnni", "avx512", "avxvnni", "avx2", "reference"])."""
     load()
     return list(torch.ops.trtspec.gguf_kernel_paths())
 

@@ -126,6 +126,11 @@ def use_gguf_kernels(hf: nn.Module, gguf_path: Path, spec, int8_activations: boo
             continue
         _replace(hf, name, GGUFLinear(kernels.pack(found[0]), module.bias, int8_activations))
         done[name] = found[0].type_name
-    log.info("GGUF kernels: %d linear layers on the file's blocks%s", len(done),
-             f"; {len(left)} left in float" if left else "")
+    path = kernels.status().get("path", "torch")
+    log.info("GGUF kernels: %d linear layers on the file's blocks%s; %s activations, the %s path", len(done),
+             f"; {len(left)} left in float" if left else "", "int8" if int8_activations else "float", path)
+    if done and not int8_activations:
+        log.info("float activations keep the output closest to float32; --int8-activations builds the faster engine "
+                 "(1.3-1.6x the plain decode on the development Xeon's paths: docs/kernels.md, 'Int8 or float "
+                 "activations')")
     return {"kernels": done, "float": left}

@@ -22,14 +22,20 @@
 // A column of a padded last panel has zero codes and zero scales.
 //
 // ---- What every path computes, in this order, per row r and column c ---------------------------------------
-// float activations:  acc = fma((float)(q - zero) * scale [+ minimum], x[k], acc) for k = 0 .. K-1
+// float activations:  per group, with c = q - zero (an integer, |c| <= 128) and its G inputs x[4s + t]:
+//                       d_t = fma((float)c[4s + t], x[4s + t], d_t) for s = 0 .. G/4 - 1, four sums t = 0 .. 3 from 0
+//                       acc = fma((d_0 + d_1) + (d_2 + d_3), scale, acc)
+//                       acc = fma(minimum, xsum, acc)   (types with minimums; xsum = (u_0 + u_1) + (u_2 + u_3),
+//                                                       u_t = x[t] + x[4 + t] + ..., summed by ops.cpp for every path)
+//                     Four independent sums a group keep a one-row call off the fused multiply-add's latency, and the
+//                     codes meet x as integers: no per-weight multiply by the scale, no per-weight minimum.
 // int8 activations:   x is rounded per 32 along K (scale s = amax / 127, a = rint(x / s)); per group g
 //                       dot = sum_k q * a  (exact, int32);  idot = dot - zero * sum_k a
 //                       t = (float)idot * scale [+ minimum * (float)sum_k a]
 //                       acc = acc + t * s
 //                     with no fused multiply-add (the build passes -ffp-contract=off), so numpy can model it.
-// Integer sums are exact, and the float steps are the same in every path: the portable path, AVX2, AVX-512 and
-// AVX-512 VNNI give bit-identical results, for any number of rows and threads.
+// Integer sums are exact, and the float steps are the same in every path: the portable path, AVX2, AVX-VNNI,
+// AVX-512 and AVX-512 VNNI give bit-identical results, for any number of rows and threads.
 #pragma once
 #include <cstdint>
 
@@ -114,6 +120,7 @@ struct Int8Rows {
 // A call's float activations transposed, a tile's rows side by side for each k.
 struct FloatRows {
   const float* xt;       // [k, m]: row r's x[k] in xt[k * m + r]
+  const float* xsum;     // [groups, m]: row r's xsum of group g (above) in xsum[g * m + r]; types with minimums
   int64_t m;
 };
 
@@ -147,6 +154,7 @@ void float_avx2(const Weights&, const FloatRows&, float*, int64_t, int64_t, int6
 void int8_avx512(const Weights&, const Int8Rows&, float*, int64_t, int64_t, int64_t);
 void float_avx512(const Weights&, const FloatRows&, float*, int64_t, int64_t, int64_t);
 void int8_avx512vnni(const Weights&, const Int8Rows&, float*, int64_t, int64_t, int64_t);
+void int8_avxvnni(const Weights&, const Int8Rows&, float*, int64_t, int64_t, int64_t);
 // rows [r0, r1) of the B * H * T; scratch: S rounded up to 16, plus D floats
 using AttentionKernel = void (*)(const AttentionArgs&, int64_t r0, int64_t r1, float* scratch);
 void attention_reference(const AttentionArgs&, int64_t, int64_t, float*);

@@ -18,6 +18,7 @@ constexpr int kMaxRows = 12;
 #else
 constexpr int kMaxRows = 8;
 #endif
+constexpr int kMaxFloatRows = 5;  // four sums d_t a row: 20 of the 32 registers, and R accumulators
 
 template <int BITS> constexpr int kGroup = BITS == 6 ? 16 : 32;
 template <int BITS> constexpr int kSteps = kGroup<BITS> / 4;
@@ -46,21 +47,10 @@ inline __m512i codes_of(const uint8_t* group, int s) {
   }
 }
 
-// The lines kPrefetchBytes past this group's (gguf_linear.h).
-inline void prefetch_group(const Weights& w, const uint8_t* group) {
-  const char* ahead = reinterpret_cast<const char*>(group) + kPrefetchBytes;
-  for (int64_t j = 0; j < w.group_bytes; j += 64) _mm_prefetch(ahead + j, _MM_HINT_T0);
-}
-
 template <bool HALF>
 inline __m512 floats_as(const uint8_t* p) {
   if constexpr (HALF) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   else return _mm512_loadu_ps(reinterpret_cast<const float*>(p));
-}
-
-// The 16 scales (or minimums) at p, as float32: float16 converted exactly, or float32 as stored.
-inline __m512 floats_at(const Weights& w, const uint8_t* p) {
-  return w.half_scales ? floats_as<true>(p) : floats_as<false>(p);
 }
 
 // maddubs and vpdpbusd need an unsigned left operand. Without VNNI a signed code's sign moves onto the activation
@@ -118,6 +108,7 @@ void int8_rows(const Weights& w, const uint8_t* panel, const Int8Rows& x, int64_
 #else
         if constexpr (BITS == 8) a = signed_like(a, q);
         part[r] = _mm512_add_epi16(part[r], _mm512_maddubs_epi16(uq, a));
+        __asm__("" : "+v"(part[r]));  // in its register step by step (gguf_linear_avx2.h)
         if ((s + 1) % kInt16Steps<BITS> == 0) {
           dot[r] = _mm512_add_epi32(dot[r], _mm512_madd_epi16(part[r], ones));
           part[r] = _mm512_setzero_si512();
@@ -143,32 +134,46 @@ void int8_rows(const Weights& w, const uint8_t* panel, const Int8Rows& x, int64_
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + (r0 + r) * ldy + col0, acc[r]);
 }
 
-template <int BITS, int R>
+// pshufb's mask moving byte t of each int32 lane to the lane's top byte, the other three bytes zero (per 128-bit lane):
+// converted to float, a code c in the top byte is c * 2^24 exactly.
+inline __m512i byte_to_top(int t) {
+  auto lane = [t](int j) { return static_cast<int>(0x808080u | static_cast<unsigned>(4 * j + t) << 24); };
+  return _mm512_broadcast_i32x4(_mm_setr_epi32(lane(0), lane(1), lane(2), lane(3)));
+}
+
+// Float activations (gguf_linear.h): codes minus the zero point as int8 in a lane's top byte, so the sums d_t carry a
+// factor 2^24, taken off the scale instead (a power of two changes no rounding: the portable path's bits).
+template <typename F, int R>
 void float_rows(const Weights& w, const uint8_t* panel, const FloatRows& x, int64_t r0, float* y, int64_t ldy,
                 int64_t col0) {
-  constexpr int G = kGroup<BITS>, S = kSteps<BITS>;
-  const __m512i zero = _mm512_set1_epi32(w.zero), byte = _mm512_set1_epi32(0xFF);
+  constexpr int BITS = F::bits, G = kGroup<BITS>, S = kSteps<BITS>;
+  const int64_t m = x.m;
+  const __m512i zero = _mm512_set1_epi8(static_cast<char>(w.zero));
+  const __m512 unscale = _mm512_set1_ps(1.0f / 16777216.0f);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < w.groups; ++g) {
-    const uint8_t* group = panel + g * w.group_bytes;
-    prefetch_group(w, group);
-    const float* xg = x.xt + g * G * x.m + r0;  // k = g * G + i, row r: xg[i * m + r]
-    const __m512 scale = floats_at(w, group + w.codes_bytes);
-    const __m512 minimum = w.has_min ? floats_at(w, group + w.codes_bytes + w.floats_bytes) : _mm512_setzero_ps();
+    const uint8_t* group = panel + g * F::group_bytes;
+    prefetch_form<F>(group);
+    const float* xg = x.xt + g * G * m + r0;  // k = g * G + i, row r: xg[i * m + r]
+    __m512 d[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < 4; ++t) d[r][t] = _mm512_setzero_ps();
+#pragma GCC unroll 8
     for (int s = 0; s < S; ++s) {
-      const __m512i q = codes_of<BITS>(group, s);
+      const __m512i c = _mm512_sub_epi8(codes_of<BITS>(group, s), zero);
       for (int t = 0; t < 4; ++t) {
-        __m512i qt;
-        if constexpr (BITS == 8) {  // sign-extend byte t of each lane
-          qt = _mm512_sra_epi32(_mm512_sll_epi32(q, _mm_cvtsi32_si128(24 - 8 * t)), _mm_cvtsi32_si128(24));
-        } else {
-          qt = _mm512_and_si512(_mm512_srl_epi32(q, _mm_cvtsi32_si128(8 * t)), byte);
-        }
-        __m512 wt = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(qt, zero)), scale);
-        if (w.has_min) wt = _mm512_add_ps(wt, minimum);
-        for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(wt, _mm512_set1_ps(xg[(4 * s + t) * x.m + r]), acc[r]);
+        const __m512 f = _mm512_cvtepi32_ps(_mm512_shuffle_epi8(c, byte_to_top(t)));
+        for (int r = 0; r < R; ++r) d[r][t] = _mm512_fmadd_ps(f, _mm512_set1_ps(xg[(4 * s + t) * m + r]), d[r][t]);
       }
+    }
+    const __m512 scale = _mm512_mul_ps(floats_as<F::half>(group + F::codes_bytes), unscale);
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm512_fmadd_ps(_mm512_add_ps(_mm512_add_ps(d[r][0], d[r][1]), _mm512_add_ps(d[r][2], d[r][3])), scale,
+                               acc[r]);
+    if constexpr (F::has_min) {
+      const __m512 minimum = floats_as<F::half>(group + F::codes_bytes + F::floats_bytes);
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(x.xsum[g * m + r0 + r]), acc[r]);
     }
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + (r0 + r) * ldy + col0, acc[r]);
@@ -179,7 +184,7 @@ void float_rows(const Weights& w, const uint8_t* panel, const FloatRows& x, int6
 template <typename F, bool INT8, int R, typename X>
 inline void rows(const Weights& w, const uint8_t* panel, const X& x, int64_t r0, float* y, int64_t ldy, int64_t col0) {
   if constexpr (INT8) int8_rows<F, R>(w, panel, x, r0, y, ldy, col0);
-  else float_rows<F::bits, R>(w, panel, x, r0, y, ldy, col0);
+  else if constexpr (R <= kMaxFloatRows) float_rows<F, R>(w, panel, x, r0, y, ldy, col0);
 }
 
 template <typename F, bool INT8, typename X>
@@ -189,7 +194,7 @@ void panels(const Weights& w, const X& x, int64_t m, float* y, int64_t ldy, int6
     const uint8_t* panel = w.data + p * panel_bytes;
     const int64_t col0 = p * kPanel;
     for (int64_t r = 0, n; r < m; r += n) {
-      n = tile_rows(m - r, kMaxRows);
+      n = tile_rows(m - r, INT8 ? kMaxRows : kMaxFloatRows);
       switch (n) {
 #ifdef TRTSPEC_VNNI
         case 12: rows<F, INT8, 12>(w, panel, x, r, y, ldy, col0); break;
@@ -224,14 +229,21 @@ void int8_any(const Weights& w, const Int8Rows& x, float* y, int64_t ldy, int64_
   }
 }
 
+#ifndef TRTSPEC_VNNI  // that file runs no float kernel: none compiled for it
+template <int BITS>
+void float_bits(const Weights& w, const FloatRows& x, float* y, int64_t ldy, int64_t p0, int64_t p1) {
+  with_form<BITS>(w.has_min, w.half_scales, [&](auto form) { panels<decltype(form), false>(w, x, x.m, y, ldy, p0, p1); });
+}
+
 void float_any(const Weights& w, const FloatRows& x, float* y, int64_t ldy, int64_t p0, int64_t p1) {
   switch (w.bits) {
-    case 4: panels<Form<4, false, false>, false>(w, x, x.m, y, ldy, p0, p1); break;
-    case 5: panels<Form<5, false, false>, false>(w, x, x.m, y, ldy, p0, p1); break;
-    case 6: panels<Form<6, false, false>, false>(w, x, x.m, y, ldy, p0, p1); break;
-    default: panels<Form<8, false, false>, false>(w, x, x.m, y, ldy, p0, p1); break;
+    case 4: float_bits<4>(w, x, y, ldy, p0, p1); break;
+    case 5: float_bits<5>(w, x, y, ldy, p0, p1); break;
+    case 6: float_bits<6>(w, x, y, ldy, p0, p1); break;
+    default: float_bits<8>(w, x, y, ldy, p0, p1); break;
   }
 }
+#endif
 
 }  // namespace
 }  // namespace trtspec_gguf

@@ -89,13 +89,12 @@ void float_reference(const Weights& w, const FloatRows& x, float* y, int64_t ldy
         float acc = 0.0f;
         for (int64_t g = 0; g < w.groups; ++g) {
           const uint8_t* group = panel + g * w.group_bytes;
-          const float scale = scale_at(w, group, c);
-          const float minimum = w.has_min ? minimum_at(w, group, c) : 0.0f;
-          for (int kk = 0; kk < w.group; ++kk) {
-            float wt = static_cast<float>(code_at(w, group, c, kk) - w.zero) * scale;
-            if (w.has_min) wt = wt + minimum;
-            acc = std::fma(wt, x.xt[(g * w.group + kk) * x.m + r], acc);
-          }
+          float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+          for (int kk = 0; kk < w.group; ++kk)
+            d[kk % 4] = std::fma(static_cast<float>(code_at(w, group, c, kk) - w.zero),
+                                 x.xt[(g * w.group + kk) * x.m + r], d[kk % 4]);
+          acc = std::fma((d[0] + d[1]) + (d[2] + d[3]), scale_at(w, group, c), acc);
+          if (w.has_min) acc = std::fma(minimum_at(w, group, c), x.xsum[g * x.m + r], acc);
         }
         y[r * ldy + p * kPanel + c] = acc;
       }

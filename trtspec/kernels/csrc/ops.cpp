@@ -10,6 +10,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -33,12 +34,14 @@ bool has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_support
 bool has_avx512() { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
                            __builtin_cpu_supports("fma"); }
+bool has_avxvnni() { return has_avx2() && __builtin_cpu_supports("avxvnni"); }
 bool has_avx512vnni() { return has_avx512() && __builtin_cpu_supports("avx512vnni"); }
 
 // Fastest first.
 const Path kPaths[] = {
     {"avx512vnni", has_avx512vnni, 128, int8_avx512vnni, float_avx512, quantize_avx512, attention_avx512},
     {"avx512", has_avx512, 0, int8_avx512, float_avx512, quantize_avx512, attention_avx512},
+    {"avxvnni", has_avxvnni, 128, int8_avxvnni, float_avx2, quantize_avx2, attention_avx2},
     {"avx2", has_avx2, 0, int8_avx2, float_avx2, quantize_avx2, attention_avx2},
     {"reference", always, 0, int8_reference, float_reference, quantize_reference, attention_reference},
 };
@@ -46,7 +49,7 @@ const Path kPaths[] = {
 const Path* best_path() {
   for (const Path& p : kPaths)
     if (p.supported()) return &p;
-  return &kPaths[3];
+  return &kPaths[sizeof(kPaths) / sizeof(kPaths[0]) - 1];
 }
 
 const Path* g_path = best_path();
@@ -166,7 +169,24 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
     parallel_chunks(panels, [&](int64_t p0, int64_t p1) { path->int8(w, rows, yp, ldy, p0, p1); });
   } else {
     const at::Tensor xt = m == 1 ? xc : xc.view({m, k}).t().contiguous();  // [k, m]
-    const FloatRows rows{xt.data_ptr<float>(), m};
+    // each row's sum over each group (the minimums' term, gguf_linear.h), the same bits for every path: four sums
+    // s_t = x[t] + x[4 + t] + ... (one 4-float vector add a step), then (s_0 + s_1) + (s_2 + s_3)
+    thread_local std::vector<float> sums;
+    if (has_min) {
+      typedef float f4 __attribute__((vector_size(16)));
+      sums.resize(std::max<size_t>(sums.size(), w.groups * m));
+      for (int64_t r = 0; r < m; ++r)
+        for (int64_t g = 0; g < w.groups; ++g) {
+          const float* xg = xp + r * k + g * group;
+          f4 s = {0.0f, 0.0f, 0.0f, 0.0f}, v;
+          for (int64_t i = 0; i < group; i += 4) {
+            std::memcpy(&v, xg + i, sizeof(v));
+            s = s + v;
+          }
+          sums[g * m + r] = (s[0] + s[1]) + (s[2] + s[3]);
+        }
+    }
+    const FloatRows rows{xt.data_ptr<float>(), has_min ? sums.data() : nullptr, m};
     parallel_chunks(panels, [&](int64_t p0, int64_t p1) { path->floats(w, rows, yp, ldy, p0, p1); });
   }
   return ldy == n ? y : y.narrow(1, 0, n).contiguous().view(out_shape);
@@ -215,7 +235,7 @@ std::string gguf_kernel_path(const std::string& name) {
         return p.name;
       }
     }
-    TORCH_CHECK(false, "gguf_kernel_path: no path named '", name, "'; choose avx512vnni, avx512, avx2 or reference");
+    TORCH_CHECK(false, "gguf_kernel_path: no path named '", name, "'; choose avx512vnni, avx512, avxvnni, avx2 or reference");
   }
   return g_path->name;
 }

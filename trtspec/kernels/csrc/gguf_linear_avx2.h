@@ -1,0 +1,249 @@
+// The AVX2 kernels (e.g. AMD Zen 3), included by gguf_linear_avx2.cpp (AVX2 + FMA + F16C: maddubs + madd) and (with
+// TRTSPEC_AVXVNNI) gguf_linear_avxvnni.cpp (AVX-VNNI's vpdpbusd on ymm, Intel client CPUs from Alder Lake on), each
+// after its own #pragma GCC target; everything here has internal linkage, so the two never share a function.
+//
+// A panel's 16 columns are two ymm halves, done one after the other (a half reads 32 of each 64-byte block; the panel
+// stays in L1 between them), R rows at a time: R int32 sums, R float sums (and without VNNI R int16 partial sums)
+// within the 16 ymm registers. maddubs' int16 pair sums add up over kInt16Steps steps of a group before madd widens
+// them (the bounds of gguf_linear_avx512.h), so a 4-bit group costs one madd per row.
+#include <immintrin.h>
+
+#include "gguf_linear.h"
+
+namespace trtspec_gguf {
+namespace {
+
+#ifdef TRTSPEC_AVXVNNI
+constexpr int kMaxRows = 6;  // R int32 sums (and under 4 rows R more), R float sums
+#else
+constexpr int kMaxRows = 5;  // R int16 partial sums (a 4-bit group's whole), R float sums
+#endif
+constexpr int kMaxFloatRows = 3;  // 12 sums d_t, a tile of 3 rows over one half
+constexpr int kHalf = 8;  // columns of a ymm register
+
+template <int BITS> constexpr int kGroup = BITS == 6 ? 16 : 32;
+template <int BITS> constexpr int kSteps = kGroup<BITS> / 4;
+template <int BITS> constexpr int kInt16Steps = BITS == 4 ? 8 : BITS == 5 ? 4 : BITS == 6 ? 2 : 1;
+
+// Step s of a group, columns 8h .. 8h + 7: 32 codes, byte c*4 + t for column 8h + c at k = 4s + t.
+template <int BITS>
+inline __m256i codes_of(const uint8_t* group, int s, int h) {
+  if constexpr (BITS == 8) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + 64 * s + 32 * h));
+  } else {
+    constexpr int half = kSteps<BITS> / 2;
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + 64 * (s % half) + 32 * h));
+    __m256i q = s < half ? _mm256_and_si256(b, low4) : _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);
+    if constexpr (BITS == 5 || BITS == 6) {
+      const __m256i plane = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + 64 * half + 32 * h));
+      const __m128i shift = _mm_cvtsi32_si128(BITS == 5 ? s : 2 * s);
+      const __m256i high = _mm256_and_si256(_mm256_srl_epi16(plane, shift), _mm256_set1_epi8(BITS == 5 ? 1 : 3));
+      q = _mm256_or_si256(q, _mm256_slli_epi16(high, 4));
+    }
+    return q;
+  }
+}
+
+template <bool HALF>
+inline __m256 floats_as(const uint8_t* p, int h) {
+  if constexpr (HALF) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p) + h));
+  else return _mm256_loadu_ps(reinterpret_cast<const float*>(p) + kHalf * h);
+}
+
+template <typename F, int R>
+void int8_rows(const Weights& w, const uint8_t* panel, const Int8Rows& x, int64_t r0, float* y, int64_t ldy,
+               int64_t col0) {
+  constexpr int BITS = F::bits;
+  constexpr int S = kSteps<BITS>;
+  const int64_t groups = w.groups, m = x.m;
+  const int32_t* const xq = x.q + r0 * S;
+  const int32_t* const xz = x.zsum + r0;
+  const float* const xf = x.fsum + r0;
+  const float* const xs = x.scale + r0;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* group = panel + g * F::group_bytes;
+      prefetch_form<F>(group);
+      const int32_t* a0 = xq + g * m * S;  // step s, row r: a0[r * S + s]
+      __m256i dot[R], part[R];
+      for (int r = 0; r < R; ++r) dot[r] = part[r] = _mm256_setzero_si256();
+#ifdef TRTSPEC_AVXVNNI
+      // under 4 rows, a second chain of vpdpbusd for odd steps keeps more sums in flight (integer sums: the order
+      // changes nothing)
+      constexpr bool kOdd = R < 4;
+#endif
+#pragma GCC unroll 8
+      for (int s = 0; s < S; ++s) {
+        const __m256i q = codes_of<BITS>(group, s, h);
+#ifdef TRTSPEC_AVXVNNI
+        // vpdpbusd's left operand is unsigned: an 8-bit code is offset by 128, and the call's rounding zero point
+        // with it (Path::code_offset in ops.cpp), as on the AVX-512 VNNI path
+        const __m256i uq = BITS == 8 ? _mm256_xor_si256(q, _mm256_set1_epi8(static_cast<char>(0x80))) : q;
+        for (int r = 0; r < R; ++r) {
+          const __m256i a = _mm256_set1_epi32(a0[r * S + s]);
+          if (kOdd && s % 2) part[r] = _mm256_dpbusd_avx_epi32(part[r], uq, a);
+          else dot[r] = _mm256_dpbusd_avx_epi32(dot[r], uq, a);
+        }
+#else
+        const __m256i uq = BITS == 8 ? _mm256_abs_epi8(q) : q;
+        for (int r = 0; r < R; ++r) {
+          __m256i a = _mm256_set1_epi32(a0[r * S + s]);
+          if constexpr (BITS == 8) a = _mm256_sign_epi8(a, q);
+          part[r] = _mm256_add_epi16(part[r], _mm256_maddubs_epi16(uq, a));
+          // each sum in its register, step by step: left free, GCC computes a whole group's products first and
+          // spills them (integer adds reassociate), several loads and stores a row and step
+          __asm__("" : "+x"(part[r]));
+          if ((s + 1) % kInt16Steps<BITS> == 0) {
+            dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(part[r], ones));
+            part[r] = _mm256_setzero_si256();
+          }
+        }
+#endif
+      }
+#ifdef TRTSPEC_AVXVNNI
+      if constexpr (kOdd)
+        for (int r = 0; r < R; ++r) dot[r] = _mm256_add_epi32(dot[r], part[r]);
+#endif
+      const __m256 scale = floats_as<F::half>(group + F::codes_bytes, h);
+      const __m256 minimum = F::has_min ? floats_as<F::half>(group + F::codes_bytes + F::floats_bytes, h)
+                                        : _mm256_setzero_ps();
+      const int64_t i = g * m;
+      for (int r = 0; r < R; ++r) {
+        // zero * sum a is 0 for a type with minimums (zero point 0, checked by the op)
+        const __m256i idot = F::has_min ? dot[r] : _mm256_sub_epi32(dot[r], _mm256_set1_epi32(xz[i + r]));
+        __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(idot), scale);
+        if constexpr (F::has_min) t = _mm256_add_ps(t, _mm256_mul_ps(minimum, _mm256_set1_ps(xf[i + r])));
+        acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(t, _mm256_set1_ps(xs[i + r])));
+      }
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (r0 + r) * ldy + col0 + kHalf * h, acc[r]);
+  }
+}
+
+// pshufb's mask moving byte t of each int32 lane to the lane's top byte, the other three bytes zero: converted to
+// float, a code c in the top byte is c * 2^24 exactly, one shuffle and one conversion for 8 weights.
+inline __m256i byte_to_top(int t) {
+  auto lane = [t](int j) { return static_cast<int>(0x808080u | static_cast<unsigned>(4 * j + t) << 24); };
+  return _mm256_setr_epi32(lane(0), lane(1), lane(2), lane(3), lane(0), lane(1), lane(2), lane(3));
+}
+
+// Float activations (gguf_linear.h): R rows, H halves a pass (both for one row, to keep 8 sums in flight). Codes
+// minus the zero point are int8 in a lane's top byte, so the sums d_t carry a factor 2^24, taken off the scale
+// instead (powers of two change no rounding: the same bits as the portable path, short of an overflow or a
+// subnormal no activation comes near).
+template <typename F, int R, int H>
+void float_rows(const Weights& w, const uint8_t* panel, const FloatRows& x, int64_t r0, float* y, int64_t ldy,
+                int64_t col0) {
+  constexpr int BITS = F::bits, G = kGroup<BITS>, S = kSteps<BITS>;
+  const int64_t m = x.m;
+  const __m256i zero = _mm256_set1_epi8(static_cast<char>(w.zero));
+  const __m256 unscale = _mm256_set1_ps(1.0f / 16777216.0f);
+  for (int h0 = 0; h0 < 2; h0 += H) {
+    __m256 acc[R][H];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < H; ++j) acc[r][j] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < w.groups; ++g) {
+      const uint8_t* group = panel + g * F::group_bytes;
+      prefetch_form<F>(group);
+      const float* xg = x.xt + g * G * m + r0;  // k = g * G + i, row r: xg[i * m + r]
+      __m256 d[R][H][4];
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < H; ++j)
+          for (int t = 0; t < 4; ++t) d[r][j][t] = _mm256_setzero_ps();
+#pragma GCC unroll 8
+      for (int s = 0; s < S; ++s) {
+        __m256i c[H];
+        for (int j = 0; j < H; ++j) c[j] = _mm256_sub_epi8(codes_of<BITS>(group, s, h0 + j), zero);
+        for (int t = 0; t < 4; ++t) {
+          __m256 f[H];
+          for (int j = 0; j < H; ++j) f[j] = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(c[j], byte_to_top(t)));
+          for (int r = 0; r < R; ++r) {
+            const __m256 xb = _mm256_broadcast_ss(xg + (4 * s + t) * m + r);
+            for (int j = 0; j < H; ++j) d[r][j][t] = _mm256_fmadd_ps(f[j], xb, d[r][j][t]);
+          }
+        }
+      }
+      for (int j = 0; j < H; ++j) {
+        const __m256 scale = _mm256_mul_ps(floats_as<F::half>(group + F::codes_bytes, h0 + j), unscale);
+        for (int r = 0; r < R; ++r) {
+          const __m256 sum = _mm256_add_ps(_mm256_add_ps(d[r][j][0], d[r][j][1]), _mm256_add_ps(d[r][j][2], d[r][j][3]));
+          acc[r][j] = _mm256_fmadd_ps(sum, scale, acc[r][j]);
+        }
+        if constexpr (F::has_min) {
+          const __m256 minimum = floats_as<F::half>(group + F::codes_bytes + F::floats_bytes, h0 + j);
+          for (int r = 0; r < R; ++r)
+            acc[r][j] = _mm256_fmadd_ps(minimum, _mm256_broadcast_ss(x.xsum + g * m + r0 + r), acc[r][j]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < H; ++j) _mm256_storeu_ps(y + (r0 + r) * ldy + col0 + kHalf * (h0 + j), acc[r][j]);
+  }
+}
+
+template <typename F, bool INT8, typename X>
+void panels(const Weights& w, const X& x, int64_t m, float* y, int64_t ldy, int64_t p0, int64_t p1) {
+  const int64_t panel_bytes = w.groups * w.group_bytes;
+  for (int64_t p = p0; p < p1; ++p) {
+    const uint8_t* panel = w.data + p * panel_bytes;
+    const int64_t col0 = p * kPanel;
+    for (int64_t r = 0, n; r < m; r += n) {
+      n = tile_rows(m - r, INT8 ? kMaxRows : kMaxFloatRows);
+      if constexpr (INT8) {
+        switch (n) {
+#ifdef TRTSPEC_AVXVNNI
+          case 6: int8_rows<F, 6>(w, panel, x, r, y, ldy, col0); break;
+#endif
+          case 5: int8_rows<F, 5>(w, panel, x, r, y, ldy, col0); break;
+          case 4: int8_rows<F, 4>(w, panel, x, r, y, ldy, col0); break;
+          case 3: int8_rows<F, 3>(w, panel, x, r, y, ldy, col0); break;
+          case 2: int8_rows<F, 2>(w, panel, x, r, y, ldy, col0); break;
+          default: int8_rows<F, 1>(w, panel, x, r, y, ldy, col0); break;
+        }
+      } else {
+        switch (n) {
+          case 3: float_rows<F, 3, 1>(w, panel, x, r, y, ldy, col0); break;
+          case 2: float_rows<F, 2, 1>(w, panel, x, r, y, ldy, col0); break;
+          default: float_rows<F, 1, 2>(w, panel, x, r, y, ldy, col0); break;
+        }
+      }
+    }
+  }
+}
+
+template <int BITS>
+void int8_bits(const Weights& w, const Int8Rows& x, float* y, int64_t ldy, int64_t p0, int64_t p1) {
+  with_form<BITS>(w.has_min, w.half_scales, [&](auto form) { panels<decltype(form), true>(w, x, x.m, y, ldy, p0, p1); });
+}
+
+void int8_any(const Weights& w, const Int8Rows& x, float* y, int64_t ldy, int64_t p0, int64_t p1) {
+  switch (w.bits) {
+    case 4: int8_bits<4>(w, x, y, ldy, p0, p1); break;
+    case 5: int8_bits<5>(w, x, y, ldy, p0, p1); break;
+    case 6: int8_bits<6>(w, x, y, ldy, p0, p1); break;
+    default: int8_bits<8>(w, x, y, ldy, p0, p1); break;
+  }
+}
+
+#ifndef TRTSPEC_AVXVNNI  // that file runs no float kernel: none compiled for it
+template <int BITS>
+void float_bits(const Weights& w, const FloatRows& x, float* y, int64_t ldy, int64_t p0, int64_t p1) {
+  with_form<BITS>(w.has_min, w.half_scales, [&](auto form) { panels<decltype(form), false>(w, x, x.m, y, ldy, p0, p1); });
+}
+
+void float_any(const Weights& w, const FloatRows& x, float* y, int64_t ldy, int64_t p0, int64_t p1) {
+  switch (w.bits) {
+    case 4: float_bits<4>(w, x, y, ldy, p0, p1); break;
+    case 5: float_bits<5>(w, x, y, ldy, p0, p1); break;
+    case 6: float_bits<6>(w, x, y, ldy, p0, p1); break;
+    default: float_bits<8>(w, x, y, ldy, p0, p1); break;
+  }
+}
+#endif
+
+}  // namespace
+}  // namespace trtspec_gguf
