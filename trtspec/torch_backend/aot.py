@@ -9,11 +9,13 @@ engines/torch_aot.py loads it: no compile, no Python per op.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import threading
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 from torch import nn
@@ -38,6 +40,34 @@ log = logging.getLogger("trtspec.torch")
 # reductions size their per-thread arrays then, not from the machine that built it.
 COMPILE_CONFIG = {"cpp.threads": 8, "cpp.dynamic_threads": True}
 TOKENIZER = "tokenizer"  # where an engine built without an export keeps its tokenizer
+
+
+@contextlib.contextmanager
+def _without_input_checks():
+    """AOTInductor writes a check function per graph input (dtype, sizes, strides, device: ~100 lines each) that
+    runs only with AOTI_RUNTIME_CHECK_INPUTS=1. With 60 cache inputs they are half the wrapper's C++ and a good part
+    of its compile; engines/torch_aot.py checks every call itself (check_call), so the package gets an empty one (the
+    variable still switches on the checks of each op's outputs that the wrapper writes inline)."""
+    from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu
+
+    def empty(self):
+        self.prefix.splice_aot("""
+            static bool _check_aoti_runtime_check_inputs_env() {
+                const static char* env_var_value = getenv("AOTI_RUNTIME_CHECK_INPUTS");
+                const static bool result = env_var_value != nullptr && env_var_value[0] != '0';
+                return result;
+            }
+
+            AOTI_NOINLINE static void __check_inputs_outputs(
+                AtenTensorHandle* input_handles,
+                AtenTensorHandle* output_handles) {}
+        """)
+
+    if not hasattr(CppWrapperCpu, "generate_input_output_runtime_checks"):
+        yield
+        return
+    with mock.patch.object(CppWrapperCpu, "generate_input_output_runtime_checks", empty):
+        yield
 
 
 class AOTStep(nn.Module):
@@ -172,7 +202,7 @@ def build_torch(path: Path, export_manifest: dict | None, out_dir: Path, *, weig
             # needs the kernel library loaded before it, as kernel_schema's check at load makes sure
             config["aot_inductor.custom_ops_to_c_shims"] = shims
             build["kernel_calls"] = "c_shims"
-        with torch._inductor.config.patch(config):
+        with torch._inductor.config.patch(config), _without_input_checks():
             torch._inductor.aoti_compile_and_package(program, package_path=str(tmp / PACKAGE))
         build["compile_s"] = round(time.perf_counter() - t, 1)
         if exported:
