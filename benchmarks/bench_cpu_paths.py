@@ -1,8 +1,9 @@
-"""Built torch engines on every ISA path this CPU runs, and against the kernels of an earlier revision: engine call
-times at T = 1, 5, 9 and 17 tokens, and plain decode through the Generator.
+"""Built torch engines on every ISA path this CPU runs, against the kernels of an earlier revision and llama.cpp:
+engine call times at T = 1, 5, 9 and 17 tokens, a 512-token prefill, and plain decode through the Generator.
 
     python benchmarks/bench_cpu_paths.py --engines engines/smollm2-torch engines/smollm2-torch-int8x
-        [--baseline REV] [--paths avx512vnni avx2 ...] [--rounds 3] [--out cpu-paths]
+        [--baseline REV] [--paths avx512vnni avx2 ...] [--llama-bench LABEL=BINARY ...] [--rounds 3]
+        [--out cpu-paths]
 
 Each (kernels, path, engine) runs in its own process (one engine alive at a time: a second engine's OpenMP pool
 slows every call on 2 cores), with TRTSPEC_KERNEL_PATH naming the path; rounds alternate over all of them, and the
@@ -64,6 +65,13 @@ if mode == "calls":
             e.forward(np.full((1, n), 300), np.arange(p, p + n)[None])
             times[n].append(time.perf_counter() - t)
     out["ms"] = {n: statistics.median(v) * 1e3 for n, v in times.items()}
+    prefill = []
+    for _ in range(3):  # a 512-token prompt in one call, as llama-bench's pp512
+        e.reset()
+        t = time.perf_counter()
+        e.forward(np.arange(512)[None] % 500 + 100, np.arange(512)[None])
+        prefill.append(512 / (time.perf_counter() - t))
+    out["prefill_tok_s"] = statistics.median(prefill)
 else:
     gen = Generator(e, drafter="none")
     gen.generate(prompts[0], max_new_tokens=4)  # first calls of each shape
@@ -74,6 +82,17 @@ else:
     out["decode_tok_s"] = statistics.median(rates)
 print(json.dumps(out))
 """
+
+
+def _llama_bench(binary: Path, gguf: Path) -> dict:
+    """llama-bench's tg128, pp16 and pp512 on the GGUF, 2 threads, one repetition each (a run of its own each: a
+    build whose prompt kernels fail still gives its decode figure)."""
+    def rate(prompt: int, gen: int):
+        out = subprocess.run([str(binary), "-m", str(gguf), "-t", "2", "-p", str(prompt), "-n", str(gen), "-r", "1",
+                              "-o", "json"], capture_output=True, text=True)
+        return json.loads(out.stdout)[0]["avg_ts"] if out.returncode == 0 else None
+
+    return {"tg128": rate(0, 128), "pp16": rate(16, 0), "pp512": rate(512, 0)}
 
 
 def _worktree(rev: str, into: Path) -> Path:
@@ -104,6 +123,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=15, help="calls of each size a round")
     ap.add_argument("--new-tokens", type=int, default=64, help="tokens a prompt in plain decode")
+    ap.add_argument("--llama-bench", nargs="*", default=[], metavar="LABEL=BINARY",
+                    help="llama.cpp builds to run beside (benchmarks/LLAMA_CPP.md), each round: tg128, pp16, pp512")
+    ap.add_argument("--gguf", type=Path, help="the GGUF file for --llama-bench (default: the engines' source)")
     ap.add_argument("--out", default="cpu-paths")
     args = ap.parse_args()
     from trtspec import kernels
@@ -111,6 +133,14 @@ def main() -> None:
     cpu = _cpu()
     bandwidth = _read_bandwidth(1 << 30)
     paths = args.paths or [p for p in kernels.paths() if p != "reference"]
+    llamas = dict(item.split("=", 1) for item in args.llama_bench)
+    gguf = args.gguf
+    if llamas and gguf is None:
+        manifest = json.loads((args.engines[0] / "manifest.json").read_text())
+        gguf = Path(manifest["source"]["model_dir"])
+        if gguf.suffix != ".gguf":
+            raise SystemExit(f"{args.engines[0]} was not built from a GGUF file; pass --gguf")
+    llama_runs: dict[str, list] = {}
     print(f"{cpu['model']}: paths {paths}, read bandwidth {bandwidth:.1f} GB/s", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         sources = {"this tree": ROOT}
@@ -128,6 +158,10 @@ def main() -> None:
                             runs.setdefault((label, path, engine.name), []).append(out)
                             print(f"round {r + 1}: {label}, {path}, {engine.name}: T=1 {out['ms']['1']:.2f} ms, "
                                   f"decode {out['decode_tok_s']:.1f} tok/s", flush=True)
+                for name, binary in llamas.items():
+                    out = _llama_bench(Path(binary), gguf)
+                    llama_runs.setdefault(name, []).append(out)
+                    print(f"round {r + 1}: llama-bench {name}: {out}", flush=True)
         finally:
             if args.baseline:
                 subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(Path(tmp) / "baseline")],
@@ -136,23 +170,37 @@ def main() -> None:
     for (label, path, engine), outs in runs.items():
         ms = {n: statistics.median(o["ms"][str(n)] for o in outs) for n in TOKENS}
         rows.append({"kernels": label, "path": path, "engine": engine, "ms": ms,
-                     "decode_tok_s": statistics.median(o["decode_tok_s"] for o in outs)})
+                     "decode_tok_s": statistics.median(o["decode_tok_s"] for o in outs),
+                     "prefill_tok_s": statistics.median(o["prefill_tok_s"] for o in outs)})
+    llama = {name: {k: statistics.median(o[k] for o in outs if o[k] is not None) if any(o[k] for o in outs) else None
+                    for k in ("tg128", "pp16", "pp512")} for name, outs in llama_runs.items()}
     result = {"cpu": cpu, "read_bandwidth_gbs": bandwidth, "rounds": args.rounds, "reps": args.reps,
-              "new_tokens": args.new_tokens, "rows": rows}
+              "new_tokens": args.new_tokens, "rows": rows, "llama_bench": llama,
+              "llama_bench_binaries": llamas}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{args.out}.json").write_text(json.dumps(result, indent=2))
     lines = [f"CPU: {cpu['model']}; ISA: {' '.join(cpu['isa'])}; 2 threads; 2-thread read bandwidth "
              f"{bandwidth:.1f} GB/s (this run). Engine calls at position 100 (ms, and x the same run's decode call) "
              f"and plain decode through the Generator ({len(PROMPTS)} prompts x {args.new_tokens} tokens, time after "
-             f"the first token); medians over {args.rounds} alternating rounds, each process on one path "
+             f"the first token), and a 512-token prompt in one call; medians over {args.rounds} alternating rounds, each "
+             "process on one path "
              "(TRTSPEC_KERNEL_PATH).", "",
-             "| kernels | path | engine | " + " | ".join(f"T={n}" for n in TOKENS) + " | plain decode tok/s |",
-             "|---|---|---|" + "---|" * len(TOKENS) + "---|"]
+             "| kernels | path | engine | " + " | ".join(f"T={n}" for n in TOKENS) + " | plain decode tok/s | "
+             "512-token prefill tok/s |", "|---|---|---|" + "---|" * len(TOKENS) + "---|---|"]
     for row in rows:
         ms = row["ms"]
         lines.append(f"| {row['kernels']} | {row['path']} | {row['engine']} | "
                      + " | ".join(f"{ms[n]:.2f}" + ("" if n == 1 else f" ({ms[n] / ms[1]:.2f}x)") for n in TOKENS)
-                     + f" | {row['decode_tok_s']:.1f} |")
+                     + f" | {row['decode_tok_s']:.1f} | {row['prefill_tok_s']:.0f} |")
+    def rate(v):
+        return f"{v:.1f} tok/s" if v else "failed"
+
+    for name, figures in llama.items():
+        tg = figures["tg128"]
+        lines += ["", f"llama-bench {name} ({llamas[name]}), medians of the same rounds: tg128 {rate(tg)}, pp16 "
+                  f"{rate(figures['pp16'])}, pp512 {rate(figures['pp512'])}. Plain decode against its tg128: "
+                  + "; ".join(f"{row['kernels']}, {row['path']}, {row['engine']}: {row['decode_tok_s'] / tg:.2f}x"
+                              for row in rows)]
     text = "\n".join(lines) + "\n"
     (RESULTS / f"{args.out}.md").write_text(text)
     print(text)
