@@ -371,3 +371,25 @@ def test_200_hostile_requests_each_get_a_4xx_and_the_server_still_answers(server
         assert out.choices[0].text == alone(PROMPTS[0], max_new_tokens=8).text
         families = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
     assert "trtspec_requests" in families and "trtspec_time_to_first_token_seconds" in families
+
+
+def test_a_taken_port_is_refused_before_the_engines_load(tmp_path):
+    """`trtspec serve` on a port another process listens on: a one-line error naming the port and what to do, at
+    once (the target here does not exist: the port is checked first), and no traceback."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "trtspec", "serve", "--target", str(tmp_path / "no-engine"),
+                               "--port", str(port)], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert f"cannot serve on 127.0.0.1:{port}" in done.stderr and "--port" in done.stderr
+    assert "Traceback" not in done.stderr
+    done = subprocess.run([sys.executable, "-m", "trtspec", "serve", "--target", str(tmp_path / "no-engine"),
+                           "--host", "no-such-host.invalid", "--port", str(port)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode != 0 and "cannot serve on no-such-host.invalid" in done.stderr and "--host" in done.stderr

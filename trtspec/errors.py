@@ -23,3 +23,7 @@ class BackendUnavailableError(TrtspecError, RuntimeError):
 
 class EngineBusyError(TrtspecError, RuntimeError):
     """An engine was called from a second thread while another call was running on it."""
+
+
+class AddressInUseError(TrtspecError, OSError):
+    """The server cannot listen on the host and port asked for (taken by another process, or not this machine's)."""

@@ -3,10 +3,12 @@ application. Imports FastAPI, uvicorn and Ray only when called."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 from pathlib import Path
 
+from ..errors import AddressInUseError
 from .limits import MAX_BODY_BYTES, MAX_QUEUE
 from .run import HEADER_TIMEOUT
 
@@ -32,6 +34,7 @@ def serve(target, draft=None, *, drafter: str | None = None, num_draft_tokens: i
     ``datastore``: an index (``trtspec index``) that suffix decoding drafts from, mapped once and shared by every
     request (each Ray replica maps the same file: the pages are shared too)."""
     keys = api_keys(api_key, api_key_file)
+    check_address(host, port)  # before the engines load: a taken port is known at once, not a minute later
     if ray:
         return _serve_ray(target, draft, drafter=drafter, num_draft_tokens=num_draft_tokens, k_policy=k_policy,
                           max_batch=max_batch, prefill_chunk=prefill_chunk, prefix_cache_mb=prefix_cache_mb,
@@ -57,6 +60,29 @@ def serve(target, draft=None, *, drafter: str | None = None, num_draft_tokens: i
     log.info("serving %s on http://%s:%d/v1 (max batch %d, capacity %d tokens)", name, host, port,
              scheduler.max_batch, scheduler.capacity)
     run_server(app, host=host, port=port, drain_timeout=drain_timeout, header_timeout=header_timeout)
+
+
+def check_address(host: str, port: int) -> None:
+    """Refuse a host:port this process cannot listen on (another server has it, or the host is not this machine's),
+    saying which and what to do. The probe binds as the server does (SO_REUSEADDR) and closes at once."""
+    import socket
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as exc:
+        raise AddressInUseError(f"cannot serve on {host}:{port}: {exc.strerror}; pass --host with a name or address "
+                                "of this machine (127.0.0.1: this machine only; 0.0.0.0: every interface)") from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            taken = exc.errno == errno.EADDRINUSE
+            raise AddressInUseError(
+                f"cannot serve on {host}:{port}: {exc.strerror}; "
+                + ("another process listens there (another trtspec serve?): stop it, or pass --port with a free port"
+                   if taken else "pass --host with an address of this machine, or a --port this user may open")
+            ) from None
 
 
 def api_keys(api_key: str | None, api_key_file: str | os.PathLike | None) -> list[str] | None:
