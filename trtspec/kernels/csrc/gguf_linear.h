@@ -104,6 +104,18 @@ struct Weights {
   int64_t group_bytes;   // codes + scales (+ minimums)
 };
 
+// panels(Form<w.bits, w.has_min, w.half_scales>{}): the layer's whole form as a compile-time type, for each ISA file's
+// entry points. Internal linkage, as tile_rows.
+template <typename Panels>
+static inline void with_layer_form(const Weights& w, const Panels& panels) {
+  switch (w.bits) {
+    case 4: with_form<4>(w.has_min, w.half_scales, panels); break;
+    case 5: with_form<5>(w.has_min, w.half_scales, panels); break;
+    case 6: with_form<6>(w.has_min, w.half_scales, panels); break;
+    default: with_form<8>(w.has_min, w.half_scales, panels); break;
+  }
+}
+
 // A call's activations rounded to int8, laid out so that a tile's rows sit side by side: per group of the layer, the
 // m rows' codes one after the other, a row's as S = group / 4 int32 (4 consecutive k, the 4 bytes one int32 lane of
 // the weights meets); and per group, the m rows' values of what the group's float steps need. One pointer per group

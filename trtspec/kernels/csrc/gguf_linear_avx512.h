@@ -215,33 +215,13 @@ void panels(const Weights& w, const X& x, int64_t m, float* y, int64_t ldy, int6
   }
 }
 
-template <int BITS>
-void int8_bits(const Weights& w, const Int8Rows& x, float* y, int64_t ldy, int64_t p0, int64_t p1) {
-  with_form<BITS>(w.has_min, w.half_scales, [&](auto form) { panels<decltype(form), true>(w, x, x.m, y, ldy, p0, p1); });
-}
-
 void int8_any(const Weights& w, const Int8Rows& x, float* y, int64_t ldy, int64_t p0, int64_t p1) {
-  switch (w.bits) {
-    case 4: int8_bits<4>(w, x, y, ldy, p0, p1); break;
-    case 5: int8_bits<5>(w, x, y, ldy, p0, p1); break;
-    case 6: int8_bits<6>(w, x, y, ldy, p0, p1); break;
-    default: int8_bits<8>(w, x, y, ldy, p0, p1); break;
-  }
+  with_layer_form(w, [&](auto form) { panels<decltype(form), true>(w, x, x.m, y, ldy, p0, p1); });
 }
 
 #ifndef TRTSPEC_VNNI  // that file runs no float kernel: none compiled for it
-template <int BITS>
-void float_bits(const Weights& w, const FloatRows& x, float* y, int64_t ldy, int64_t p0, int64_t p1) {
-  with_form<BITS>(w.has_min, w.half_scales, [&](auto form) { panels<decltype(form), false>(w, x, x.m, y, ldy, p0, p1); });
-}
-
 void float_any(const Weights& w, const FloatRows& x, float* y, int64_t ldy, int64_t p0, int64_t p1) {
-  switch (w.bits) {
-    case 4: float_bits<4>(w, x, y, ldy, p0, p1); break;
-    case 5: float_bits<5>(w, x, y, ldy, p0, p1); break;
-    case 6: float_bits<6>(w, x, y, ldy, p0, p1); break;
-    default: float_bits<8>(w, x, y, ldy, p0, p1); break;
-  }
+  with_layer_form(w, [&](auto form) { panels<decltype(form), false>(w, x, x.m, y, ldy, p0, p1); });
 }
 #endif
 
