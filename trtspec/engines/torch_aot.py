@@ -58,8 +58,9 @@ def cpu_isa(supported: bool = False):
 
 def flat_runner(package):
     """The loaded package as a function of its tensors, in the package's order. Its own __call__ parses both of the
-    package's call specs and flattens the arguments on every call, ~0.2 ms of a 3 ms decode call; here the outputs'
-    spec is parsed once and the tensors go straight to the loader. The package itself where torch has no loader."""
+    package's call specs and flattens the arguments on every call (15-60 us of a 3 ms decode call, measured); here
+    the outputs' spec is parsed once and the tensors go straight to the loader. The package itself where torch has
+    no loader."""
     from torch.utils import _pytree as pytree
 
     loader = getattr(package, "loader", None)
