@@ -34,7 +34,8 @@ def serve(target, draft=None, *, drafter: str | None = None, num_draft_tokens: i
     ``datastore``: an index (``trtspec index``) that suffix decoding drafts from, mapped once and shared by every
     request (each Ray replica maps the same file: the pages are shared too)."""
     keys = api_keys(api_key, api_key_file)
-    check_address(host, port)  # before the engines load: a taken port is known at once, not a minute later
+    if not (ray and ray_address):  # joining a running Ray cluster: its Serve proxy may hold the port already, rightly
+        check_address(host, port)  # before the engines load: a taken port is known at once, not a minute later
     if ray:
         return _serve_ray(target, draft, drafter=drafter, num_draft_tokens=num_draft_tokens, k_policy=k_policy,
                           max_batch=max_batch, prefill_chunk=prefill_chunk, prefix_cache_mb=prefix_cache_mb,
