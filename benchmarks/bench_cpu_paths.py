@@ -26,6 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_gguf_kernels import _cpu, _read_bandwidth  # noqa: E402
+from bench_real import llama_bench_rate  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).parent / "results"
@@ -85,14 +86,9 @@ print(json.dumps(out))
 
 
 def _llama_bench(binary: Path, gguf: Path) -> dict:
-    """llama-bench's tg128, pp16 and pp512 on the GGUF, 2 threads, one repetition each (a run of its own each: a
-    build whose prompt kernels fail still gives its decode figure)."""
-    def rate(prompt: int, gen: int):
-        out = subprocess.run([str(binary), "-m", str(gguf), "-t", "2", "-p", str(prompt), "-n", str(gen), "-r", "1",
-                              "-o", "json"], capture_output=True, text=True)
-        return json.loads(out.stdout)[0]["avg_ts"] if out.returncode == 0 else None
-
-    return {"tg128": rate(0, 128), "pp16": rate(16, 0), "pp512": rate(512, 0)}
+    """llama-bench's tg128, pp16 and pp512 on the GGUF, 2 threads, one repetition each."""
+    return {"tg128": llama_bench_rate(binary, gguf, 2, 0, 128), "pp16": llama_bench_rate(binary, gguf, 2, 16, 0),
+            "pp512": llama_bench_rate(binary, gguf, 2, 512, 0)}
 
 
 def _worktree(rev: str, into: Path) -> Path:

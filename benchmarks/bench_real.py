@@ -424,6 +424,14 @@ class LlamaServer(System):
             stop_server(self.proc)
 
 
+def llama_bench_rate(binary: Path, gguf: Path, threads: int, prompt: int, gen: int, check: bool = False):
+    """llama-bench's tok/s for one test (``-p prompt -n gen``, one repetition, a run of its own); None where it
+    failed and ``check`` is off."""
+    out = subprocess.run([str(binary), "-m", str(gguf), "-t", str(threads), "-p", str(prompt), "-n", str(gen), "-r",
+                          "1", "-o", "json"], capture_output=True, text=True, check=check)
+    return json.loads(out.stdout)[0]["avg_ts"] if out.returncode == 0 else None
+
+
 class LlamaBench(System):
     """llama.cpp's own numbers on the GGUF: no prompts, one repetition per round."""
 
@@ -435,13 +443,8 @@ class LlamaBench(System):
     def measure(self, max_new: int) -> dict:
         """tg and pp512 in runs of their own: a build whose prompt kernels die still gives its decode figure (a
         GGML_NATIVE build on a VM that reports AMX but does not grant its tiles: SIGILL in pp512 only)."""
-        def rate(prompt: int, gen: int, check: bool) -> float | None:
-            out = subprocess.run([str(self.binary), "-m", str(self.gguf), "-t", str(self.threads), "-p", str(prompt),
-                                  "-n", str(gen), "-r", "1", "-o", "json"], capture_output=True, text=True, check=check)
-            return json.loads(out.stdout)[0]["avg_ts"] if out.returncode == 0 else None
-
-        prefill = rate(512, 0, check=False)
-        return {"decode_tok_s": rate(0, max_new, check=True),
+        prefill = llama_bench_rate(self.binary, self.gguf, self.threads, 512, 0)
+        return {"decode_tok_s": llama_bench_rate(self.binary, self.gguf, self.threads, 0, max_new, check=True),
                 **({} if prefill is None else {"prefill_tok_s": prefill})}
 
 

@@ -349,7 +349,7 @@ np.save(__import__("sys").argv[1], np.stack([y, f]))
     np.testing.assert_allclose(f, x @ w.T, rtol=1e-5, atol=1e-4)
 
 
-def test_trtspec_kernel_path_chooses_the_path_and_refuses_one_this_cpu_lacks():
+def test_trtspec_kernel_path_chooses_the_path_and_refuses_one_this_cpu_lacks(tmp_path):
     """$TRTSPEC_KERNEL_PATH picks the path at load (the slowest vector path here gives the fastest's bits), and a
     path the CPU cannot run is refused with the paths it can."""
     script = """
@@ -362,7 +362,7 @@ np.save(__import__("sys").argv[1], np.stack([kernels.linear(x, kernels.pack(b), 
 print("PATH", kernels.status()["path"])
 """
     chosen = PATHS[-2] if len(PATHS) > 1 else PATHS[0]
-    out = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"kernel-path-{os.getpid()}.npy")
+    out = str(tmp_path / "y.npy")
     done = subprocess.run([sys.executable, "-c", script, out], env={**os.environ, "TRTSPEC_KERNEL_PATH": chosen},
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -370,7 +370,6 @@ print("PATH", kernels.status()["path"])
     _, b = _layer("Q4_1")
     x = torch.from_numpy(_x(5, 512))
     y = np.load(out)
-    os.remove(out)
     assert np.array_equal(y[0], kernels.linear(x, kernels.pack(b), True).numpy())
     assert np.array_equal(y[1], kernels.linear(x, kernels.pack(b), False).numpy())
     done = subprocess.run([sys.executable, "-c", script, out], env={**os.environ, "TRTSPEC_KERNEL_PATH": "avx1024"},
