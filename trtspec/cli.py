@@ -150,6 +150,12 @@ def _add_build(sub):
                              help="where the torch engine runs (default: cpu; cuda takes float weights)")
     torch_group.add_argument("--max-seq-len", type=_positive_int,
                              help="built from a GGUF file or HF directory: KV cache capacity per row (default: 512)")
+    torch_group.add_argument("--head", metavar="DIR",
+                             help="an EAGLE-3 head for the engine to carry: --drafter eagle3/auto then need no "
+                                  "--draft (default: none; docs/distilling.md)")
+    torch_group.add_argument("--hidden-states", metavar="LAYERS",
+                             help="built from a GGUF file or HF directory: a hidden_states output for draft heads, "
+                                  "as export's option (default: none; --head sets it)")
     trt = p.add_argument_group("tensorrt only")
     trt.add_argument("--max-prefill", type=_positive_int,
                      help="most tokens per row in one prefill call (default: the KV cache capacity)")
@@ -196,9 +202,9 @@ def _add_engine_arguments(p) -> None:
     p.add_argument("--target", required=True, help="the target's engine (or export) directory")
     p.add_argument("--draft", help="the draft's engine directory, an exported head, or `self` (the target's own INT4 "
                                    "build; default: none)")
-    p.add_argument("--drafter", choices=["draft", "eagle3", "medusa", "prompt_lookup", "suffix", "none"],
-                   help="how drafts are made (default: draft with --draft, else none; "
-                        "docs/generating.md#choosing-a-drafter)")
+    p.add_argument("--drafter", choices=["draft", "eagle3", "medusa", "prompt_lookup", "suffix", "auto", "none"],
+                   help="how drafts are made (default: auto with a carried head, draft with --draft, else none; "
+                        "docs/generating.md)")
     p.add_argument("-k", "--num-draft-tokens", type=_positive_int, default=4,
                    help="most tokens drafted a round (default: 4)")
     p.add_argument("--k-policy", choices=K_POLICIES, default="load-aware",
@@ -383,18 +389,44 @@ def _add_distill(sub):
                        description="Train a draft model (or an EAGLE-3 / Medusa head) that mimics the target's "
                        "next-token distribution on your text. Writes an HF model directory with the target's tokenizer "
                        "and distill_report.json. Run the same command again to resume a stopped run.")
-    p.add_argument("--target", required=True, help="the target's HF model directory (a draft: or a GGUF file)")
+    p.add_argument("--target", required=True,
+                   help="the target's HF model directory (draft: or a GGUF file; eagle3: or its built engine, "
+                        "which writes its own data)")
     p.add_argument("--out", required=True, help="new (or empty) directory for the draft")
     p.add_argument("--method", choices=["draft", "eagle3", "medusa"], default="draft",
                    help="draft: a small model of the target's family; eagle3: an EAGLE-3 head; medusa: Medusa heads")
     p.add_argument("--draft-vocab", type=_positive_int,
                    help="eagle3/medusa: size of the head's vocabulary (default: 2048 eagle3, 1024 medusa)")
-    p.add_argument("--ttt-steps", type=_positive_int, default=3,
-                   help="eagle3: training-time test steps (drafted positions trained a window)")
+    p.add_argument("--ttt-steps", type=_positive_int,
+                   help="eagle3: training-time test steps (drafted positions trained a window; default: 3, from an "
+                        "engine 4)")
     p.add_argument("--medusa-heads", type=_positive_int, default=4, help="medusa: number of heads")
-    p.add_argument("--data", required=True, nargs="+", help="text files, or directories searched for --pattern")
+    p.add_argument("--data", nargs="+",
+                   help="text files, or directories searched for --pattern (default: none; required but with an "
+                        "engine --target, which writes its own)")
     p.add_argument("--heldout", nargs="+", help="held-out files or directories (default: 1 in 20 of --data's files)")
     p.add_argument("--pattern", default="*.py", help="file pattern in data directories")
+    own = p.add_argument_group("eagle3 from a built engine: the engine answers requests and trains on its answers")
+    own.add_argument("--prompts", default="humaneval,chat,docstring,text",
+                     help="request sources, comma-separated: humaneval, chat, docstring, text (docs/distilling.md)")
+    own.add_argument("--text", help="a plain-text file for the text source, e.g. botchan.txt (default: none, the "
+                                    "text source left out)")
+    own.add_argument("--stdlib", help="a Python source tree for the docstring source (default: this Python's "
+                                      "standard library)")
+    own.add_argument("--data-dir", help="where the engine's answers are kept, resumable (default: OUT/.distill/data, "
+                                        "removed when the head is written)")
+    own.add_argument("--data-tokens", type=int,
+                     help="new tokens the engine may write this run (default: answer every request; 0: train on "
+                          "what --data-dir holds)")
+    own.add_argument("--samples", type=int, default=0, help="sampled answers per request besides the greedy one")
+    own.add_argument("--max-new-tokens", type=_positive_int, default=256, help="longest answer")
+    own.add_argument("--coverage", type=float, default=0.97,
+                     help="the head's vocabulary covers this share of the answers' tokens (default: 0.97; "
+                          "--draft-vocab: a size)")
+    own.add_argument("--device", default="cpu", help="where the head trains: cpu or cuda")
+    own.add_argument("--eval-every", type=int, default=500,
+                     help="steps between held-out acceptance checks through the engines (at checkpoints; 0: at the "
+                          "end only)")
     shape = p.add_argument_group("draft shape (defaults: half the target's hidden size, a third of its layers)")
     shape.add_argument("--layers", type=_positive_int, help="decoder layers (default: a third of the target's)")
     shape.add_argument("--hidden", type=_positive_int, help="hidden size (default: half the target's)")

@@ -91,10 +91,13 @@ def random_windows(data: np.ndarray, batch: int, seq: int, seed: int, step: int)
 class TrainLoop:
     """AdamW + warmup/cosine + clipping, checkpointed to work_dir every `checkpoint_every` steps."""
 
-    def __init__(self, model, cfg: TrainConfig, work_dir: Path | None, name: str = "train", log=None):
+    def __init__(self, model, cfg: TrainConfig, work_dir: Path | None, name: str = "train", log=None,
+                 device: str = "cpu", on_checkpoint: Callable[[int], None] | None = None):
         import torch
 
         self.model, self.cfg, self.name = model, cfg, name
+        self.device = torch.device(device)
+        self.on_checkpoint = on_checkpoint  # called with the step after each checkpoint is written
         self.log = log or (lambda msg: print(msg, flush=True))
         self.work_dir = Path(work_dir) if work_dir is not None else None
         decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim >= 2]
@@ -105,7 +108,10 @@ class TrainLoop:
         self.total_steps = cfg.steps
         self.history: list[dict] = []  # {"step", "loss", "lr", "seconds"} every log_every steps
         self.seconds = 0.0  # training time so far, across resumes
-        self.autocast = cfg.bf16 and bf16_supported()
+        if self.device.type == "cuda":
+            self.autocast = cfg.bf16 and torch.cuda.is_bf16_supported()
+        else:
+            self.autocast = cfg.bf16 and bf16_supported()
         if self.work_dir is not None:
             self._resume()
 
@@ -121,7 +127,7 @@ class TrainLoop:
         if not path.exists():
             return
         try:
-            state = torch.load(path, map_location="cpu", weights_only=False)
+            state = torch.load(path, map_location=self.device, weights_only=False)
             identity = state["identity"]
         except Exception as e:  # noqa: BLE001 - a torn or foreign file
             raise TrtspecError(f"{path} is not a readable trtspec training checkpoint ({e}); "
@@ -163,7 +169,7 @@ class TrainLoop:
             for group in self.opt.param_groups:
                 group["lr"] = lr
             batch = batch_fn(self.step)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
                 loss = loss_fn(self.model, batch, self.step)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.clip)
@@ -189,6 +195,9 @@ class TrainLoop:
                          f"{rate:,.0f} tok/s, {self.seconds / 60:.1f} min, eta {eta:.1f} min")
             if self.step % cfg.checkpoint_every == 0:
                 self.save()
+                if self.on_checkpoint is not None and self.step < (self.total_steps or 0):
+                    self.on_checkpoint(self.step)
+                    self.model.train()
         self.save()
         self.model.eval()
         return self.seconds

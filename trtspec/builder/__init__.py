@@ -34,12 +34,17 @@ def default_backend(path: str | os.PathLike, *, weights: str | None = None, fuse
     return "torch"
 
 
+# head kind -> carry(head_dir, engine_tmp, manifest, model_path) -> the manifest's ``head`` section: exports a head
+# into an engine being built. heads/carried.py registers EAGLE-3's (the heads sit above the builder).
+HEAD_CARRIERS: dict = {}
+
+
 def build(export_dir: str | os.PathLike, out_dir: str | os.PathLike, *, backend: str | None = None,
           fuse_qdq: bool | None = None, weights: str | None = None, int8_activations: bool = False,
           fusion: bool | None = None, max_prefill: int | None = None, verify_tokens: list[int] | None = None,
           max_batch: int | None = None, workspace_mib: int | None = None,
           timing_cache: str | os.PathLike | None = None, device: str | None = None,
-          max_seq_len: int | None = None) -> Path:
+          max_seq_len: int | None = None, head: str | os.PathLike | None = None, hidden_states=None) -> Path:
     """Build an engine artifact for ``backend`` from an export artifact; returns out_dir. ``trtspec build`` is this
     call. ``backend`` None: default_backend's choice (torch for an export of a GGUF file, onnxruntime for other
     exports). Any other option None: the backend's default; an option of another backend is refused.
@@ -55,7 +60,8 @@ def build(export_dir: str | os.PathLike, out_dir: str | os.PathLike, *, backend:
     trtspec's GGUF kernels, the file's own blocks; "float"), ``int8_activations`` (the kernels' int8 variant) and
     ``device`` ("cpu", the default, or "cuda"). The torch backend also builds straight from an HF model directory
     or a GGUF file, without an export (which it does not read): then ``max_seq_len`` and ``max_batch`` size its
-    cache (default 512 and 4).
+    cache (default 512 and 4), ``hidden_states`` adds the features output for draft heads, and ``head`` (an
+    EAGLE-3 head's directory) makes the engine carry that head (heads/carried.py).
     """
     export_dir = Path(export_dir)
     if backend is None:
@@ -74,6 +80,10 @@ def build(export_dir: str | os.PathLike, out_dir: str | os.PathLike, *, backend:
                      "max_batch": None if backend == "torch" else max_batch, "workspace_mib": workspace_mib,
                      "timing_cache": timing_cache}
     tensorrt_options = {name: value for name, value in tensorrt_only.items() if value is not None}
+    if (head is not None or hidden_states is not None) and backend != "torch":
+        raise ValueError("--head and --hidden-states apply to --backend torch built from a GGUF file or an HF "
+                         "directory; for the other backends export with --hidden-states and pass the head with "
+                         "--draft")
     if device is not None and backend != "torch":
         raise ValueError("--device applies only to --backend torch; an onnxruntime engine runs on the CPU and a "
                          "TensorRT engine on the GPU it was built on")
@@ -86,7 +96,8 @@ def build(export_dir: str | os.PathLike, out_dir: str | os.PathLike, *, backend:
         from ..torch_backend.aot import build_torch
 
         return build_torch(export_dir, manifest, Path(out_dir), weights=weights, int8_activations=int8_activations,
-                           device=device or "cpu", max_seq_len=max_seq_len, max_batch=max_batch)
+                           device=device or "cpu", max_seq_len=max_seq_len, max_batch=max_batch,
+                           hidden_states=hidden_states, head=head, carry=HEAD_CARRIERS.get("eagle3"))
     if backend == "onnxruntime":
         if tensorrt_options:
             raise ValueError(f"build options {', '.join(sorted(tensorrt_options))} apply only to --backend tensorrt; "

@@ -157,14 +157,18 @@ _DRAFT_ONLY = {"layers": None, "hidden": None, "heads": None, "kv_heads": None, 
                "sampled_fraction": 0.0, "dtype": None}
 
 
-def distill(target, out, data, *, method: str = "draft", heldout=None, pattern: str = "*.py",
+def distill(target, out, data=None, *, method: str = "draft", heldout=None, pattern: str = "*.py",
             layers: int | None = None, hidden: int | None = None, heads: int | None = None,
             kv_heads: int | None = None, intermediate: int | None = None, steps: int | None = None,
             minutes: float | None = None, batch: int | None = None, seq: int = 256, lr: float | None = None,
             temperature: float = 1.0, kd_weight: float = 1.0, sampled_fraction: float = 0.0, seed: int = 0,
             dtype: str | None = None, bf16: bool = True, eval_prompts: int = 16, eval_k: int = 4,
             eval_tokens: int = 64, threads: int | None = None, checkpoint_every: int = 50,
-            draft_vocab: int | None = None, ttt_steps: int = 3, medusa_heads: int = 4) -> dict:
+            draft_vocab: int | None = None, ttt_steps: int | None = None, medusa_heads: int = 4,
+            prompts: str = "humaneval,chat,docstring,text", text: str | None = None, stdlib: str | None = None,
+            data_dir: str | None = None, data_tokens: int | None = None, samples: int = 0,
+            max_new_tokens: int = 256, coverage: float = 0.97, device: str = "cpu",
+            eval_every: int = 500) -> dict:
     """Train a draft for ``target`` into ``out`` (an HF model directory) and return the report (see module doc).
 
     ``method``: "draft" (a small model of the target's family; batch 16, lr 3e-3 by default), "eagle3" (an
@@ -178,6 +182,26 @@ def distill(target, out, data, *, method: str = "draft", heldout=None, pattern: 
     """
     if method not in METHODS:
         raise DistillError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    if (Path(target) / "manifest.json").is_file():  # a built engine: its own answers and features
+        if text is None:
+            prompts = ",".join(p for p in prompts.split(",") if p != "text")
+        if method != "eagle3" or data is not None:
+            raise DistillError(f"{target} is a built engine: it trains an EAGLE-3 head on its own answers "
+                               "(--method eagle3, no --data); for the other methods pass the HF directory or GGUF file")
+        from .eagle3_engine import distill_eagle3_engine
+
+        return distill_eagle3_engine(
+            target, out, prompts=[p for p in prompts.split(",") if p], text=text, stdlib=stdlib, data_dir=data_dir,
+            data_tokens=data_tokens, samples=samples, max_new_tokens=max_new_tokens, draft_vocab=draft_vocab,
+            coverage=coverage, intermediate=intermediate, ttt_steps=ttt_steps or 4, steps=steps, minutes=minutes,
+            batch=batch or 8, seq=seq, lr=lr or 2e-3, seed=seed, bf16=bf16, device=device,
+            eval_every=eval_every, eval_k=eval_k, eval_tokens=eval_tokens, threads=threads,
+            checkpoint_every=checkpoint_every)
+    if data is None:
+        raise DistillError("--data (text files or directories) is needed to distill from a model directory; a built "
+                           "engine (--target ENGINE, --method eagle3) writes its own data")
+    if ttt_steps is None:
+        ttt_steps = 3
     if method != "draft":
         given = dict(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, temperature=temperature,
                      kd_weight=kd_weight, sampled_fraction=sampled_fraction, dtype=dtype)

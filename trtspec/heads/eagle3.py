@@ -178,12 +178,13 @@ def make_head(config: Eagle3Config):
         def logits(self, hidden):
             return self.lm_head(self.norm(hidden))
 
-        def forward_steps(self, features, tokens, steps: int):
+        def forward_steps(self, features, tokens, steps: int, hidden_only: bool = False):
             """Training with test-time steps (EAGLE-3's "training-time test"): features [B, N, 3H_t] of positions
             0..N-1, tokens [B, N] the token after each position. Step 0 reads the target's features; step j reads
             step j-1's output at the position before, attending to step-0 keys up to q - j and to step i's key at
             q - j + i, as the head does when it drafts j tokens past what the target verified.
-            Returns the logits [B, N, V_draft] of every step (position q predicts token q + 2)."""
+            Returns the logits [B, N, V_draft] of every step (position q predicts token q + 2), or with
+            ``hidden_only`` the hidden states [B, N, H] they come from (logits(h) on the positions that count)."""
             b, n, _ = features.shape
             positions = torch.arange(n, device=features.device).expand(b, n)
             emb = self.embed_tokens(tokens)
@@ -219,7 +220,7 @@ def make_head(config: Eagle3Config):
                 for i, vi in enumerate(diag_v):
                     attn = attn + weights[..., n + i : n + i + 1] * vi
                 new_hidden = self.finish(hidden, attn)
-                out.append(self.logits(new_hidden))
+                out.append(new_hidden if hidden_only else self.logits(new_hidden))
                 # step j + 1 at q reads this step's output at q - 1
                 hidden = F.pad(new_hidden[:, :-1], (0, 0, 1, 0))
             return out
@@ -276,11 +277,15 @@ def _read_state(path: Path) -> dict:
 
 
 def _target_embedding(target_dir: Path):
+    """The target's input embedding, from its HF directory or its GGUF file."""
     from transformers import AutoModelForCausalLM
 
     import torch
 
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    from ..exporter.gguf import hf_source
+
+    folder, source = hf_source(target_dir)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **source)
     return model.get_input_embeddings().weight.detach().clone()
 
 

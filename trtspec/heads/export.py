@@ -72,7 +72,9 @@ def _model_dir(manifest: dict) -> Path | None:
         return _model_dir(read_manifest(source["export_dir"]))
     else:
         return None
-    return path if (path / "config.json").is_file() else None
+    from ..exporter.gguf import find_gguf
+
+    return path if (path / "config.json").is_file() or find_gguf(path) is not None else None
 
 
 def export_head(head_dir, out_dir, *, target, target_model=None, max_seq_len: int | None = None,
@@ -81,6 +83,14 @@ def export_head(head_dir, out_dir, *, target, target_model=None, max_seq_len: in
     ``--hidden-states low,mid,high``) into ``out_dir``; returns out_dir. A head without its own copy of the
     embedding takes the target's, from ``target_model`` (the HF directory; by default the one the target was
     exported from)."""
+    return export_head_for(head_dir, out_dir, target=target, target_manifest=read_manifest(target),
+                           target_model=target_model, max_seq_len=max_seq_len, max_batch=max_batch)
+
+
+def export_head_for(head_dir, out_dir, *, target, target_manifest: dict, target_model=None,
+                    max_seq_len: int | None = None, max_batch: int | None = None) -> Path:
+    """export_head for a target given with its manifest (heads/carried.py: an engine being written, whose
+    manifest is not on disk yet)."""
     import onnx
     import torch
 
@@ -90,7 +100,7 @@ def export_head(head_dir, out_dir, *, target, target_model=None, max_seq_len: in
 
     t0 = time.perf_counter()
     target, out_dir = Path(target), Path(out_dir)
-    tm = read_manifest(target)
+    tm = target_manifest
     model = tm["model"]
     if model.get("head"):
         raise ArtifactError(f"{target} is a draft head, not a target model")

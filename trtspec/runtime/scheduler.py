@@ -95,7 +95,7 @@ class Scheduler(Submission):
         self.tokenizer = load_tokenizer(self.target)
         if isinstance(draft, str) and draft == SELF:  # the target's own INT4 build (runtime/drafters/self_draft.py)
             draft = self_draft(self.target)
-        drafter = drafter or default_drafter(draft, datastore)
+        drafter, draft = default_drafter(drafter, draft, datastore, self.target)
         self.datastore = check_datastore(drafter, datastore, self.tokenizer, f"the target {self.target.path}")
         self._check_options(drafter, draft, k_policy, sampling, prefill_chunk, min_prefix_tokens, prefix_cache_mb,
                             aging_s)

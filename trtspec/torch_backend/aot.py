@@ -10,6 +10,7 @@ engines/torch_aot.py loads it: no compile, no Python per op.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import shutil
 import threading
@@ -24,6 +25,7 @@ from .. import kernels
 from ..engines.torch_aot import CACHE_PAD, LIVE_STEP, PACKAGE, cpu_isa, kernel_schema, require_native_kernels
 from ..exporter.contract import max_call_tokens
 from ..exporter.gguf import find_gguf
+from ..errors import ArtifactError
 from ..kernels import build as kernel_build
 from ..manifest import ENGINE_FORMAT, atomic_artifact, carry_files, export_source, sha256_file, versions
 from .cached_step import split_outputs
@@ -130,9 +132,21 @@ def _model_source(source) -> dict:
     return {"model_dir": str(model_dir), "config_sha256": sha256_file(model_dir / "config.json")}
 
 
+def head_layers(head) -> list[int] | str:
+    """The target layers an EAGLE-3 head's directory says it reads (its config.json), or EAGLE-3's own."""
+    config = Path(head) / "config.json"
+    if not config.is_file():
+        raise ArtifactError(f"--head {head}: no config.json there; pass an EAGLE-3 head's directory (trtspec distill "
+                            "--method eagle3, or the EAGLE authors' layout)")
+    try:
+        return json.loads(config.read_text()).get("target_layers") or "low,mid,high"
+    except (OSError, ValueError) as e:
+        raise ArtifactError(f"--head {head}: its config.json is not readable JSON ({e})") from None
+
+
 def build_torch(path: Path, export_manifest: dict | None, out_dir: Path, *, weights: str | None = None,
                 int8_activations: bool = False, device: str = "cpu", max_seq_len: int | None = None,
-                max_batch: int | None = None) -> Path:
+                max_batch: int | None = None, hidden_states=None, head=None, carry=None) -> Path:
     """export/ (or, ``export_manifest`` None, an HF model directory or a GGUF file) -> engines/<name>/: the step
     module of the model as an AOTInductor package (step.pt2).
 
@@ -140,7 +154,9 @@ def build_torch(path: Path, export_manifest: dict | None, out_dir: Path, *, weig
     runs them on the file's blocks; ``int8_activations``: their int8 variant) or "float" (the model's float
     weights, the default otherwise). ``device``: "cpu", or "cuda" for float weights where torch sees a GPU.
     ``max_seq_len`` and ``max_batch`` (default 512 and 4) size the cache of a model built without an export; an
-    export has its own."""
+    export has its own. ``hidden_states`` (built from the model itself) adds the features output, as export's
+    option does; ``head`` (an EAGLE-3 head's directory, with ``carry``: builder.HEAD_CARRIERS) adds the features
+    it reads and carries the head, exported for this engine, in ``head/`` (the manifest's ``head``)."""
     t0 = time.perf_counter()
     exported = export_manifest is not None
     if exported and (max_seq_len is not None or max_batch is not None):
@@ -168,7 +184,16 @@ def build_torch(path: Path, export_manifest: dict | None, out_dir: Path, *, weig
                                             ("isa", cpu_isa, device == "cpu")) if needed}
     for thread in meanwhile.values():
         thread.start()
-    source = load_source(path, max_seq_len=max_seq_len, max_batch=max_batch, dtype=None)
+    if (head is not None or hidden_states is not None) and exported:
+        raise ValueError("--head and --hidden-states apply to a build from the model itself (a GGUF file or an HF "
+                         "directory): an export fixed its features when it was exported (trtspec export "
+                         "--hidden-states low,mid,high)")
+    if head is not None:
+        if hidden_states is not None:
+            raise ValueError("--head sets the hidden states the engine outputs (the ones the head reads): drop "
+                             "--hidden-states")
+        hidden_states = head_layers(head)
+    source = load_source(path, max_seq_len=max_seq_len, max_batch=max_batch, dtype=None, hidden_states=hidden_states)
     if weights == "gguf":
         meanwhile["kernels"].join()
         require_native_kernels("--backend torch --weights gguf")
@@ -209,5 +234,7 @@ def build_torch(path: Path, export_manifest: dict | None, out_dir: Path, *, weig
             carry_files(path, export_manifest, tmp)
         else:
             source.tokenizer.save_pretrained(tmp / TOKENIZER)
+        if head is not None:
+            manifest["head"] = carry(head, tmp, manifest, path)
     log.info("wrote %s in %.1f s", out_dir, time.perf_counter() - t0)
     return out_dir

