@@ -46,9 +46,13 @@ export/smollm2/manifest.json: | setup-core
 # here: benchmarks/results/real-torch.md). The torch backend reads the file itself, so it needs no export (the ONNX
 # step graph the other backends build from). Where the kernels cannot be compiled (no C++ compiler) the build says so
 # and the onnxruntime int8 build of the export takes its place.
-engines/smollm2-torch-int8x/manifest.json: | setup-core
+# It carries the EAGLE-3 head trained on its own answers (models/smollm2-135m-eagle3: benchmarks/train_smollm2_head.py),
+# so it drafts with `auto`: suffix decoding where the text repeats, the head elsewhere (the onnxruntime fallback
+# carries no head: it drafts by suffix decoding alone).
+HEAD := models/smollm2-135m-eagle3
+engines/smollm2-torch-int8x/manifest.json: $(HEAD)/model.safetensors | setup-core
 	$(TRTSPEC) build "$(SMOLLM2_GGUF)" -o engines/smollm2-torch-int8x --backend torch --int8-activations \
-		--max-seq-len 2048 --max-batch 4 \
+		--max-seq-len 2048 --max-batch 4 --head $(HEAD) \
 		|| ($(MAKE) export/smollm2/manifest.json && \
 			$(TRTSPEC) build export/smollm2 -o engines/smollm2-torch-int8x --backend onnxruntime --int8-activations)
 
@@ -61,7 +65,8 @@ engines/smollm2/manifest.json: | export/smollm2/manifest.json
 	$(TRTSPEC) build export/smollm2 -o engines/smollm2 --backend onnxruntime
 
 demo: setup-core engines/smollm2-torch-int8x/manifest.json
-	$(TRTSPEC) generate --target engines/smollm2-torch-int8x --drafter suffix --chat --prompt "$(CHAT)" --max-new-tokens 256
+	$(TRTSPEC) generate --target engines/smollm2-torch-int8x $$(test -d engines/smollm2-torch-int8x/head || \
+		echo --drafter suffix) --chat --prompt "$(CHAT)" --max-new-tokens 256
 
 demo-stdlib: setup-core engines/stdlib-target/manifest.json engines/stdlib-draft/manifest.json
 	$(TRTSPEC) generate --target engines/stdlib-target --draft engines/stdlib-draft -k 4 \

@@ -89,7 +89,8 @@ def _recorded(gen):
 
 
 def test_an_engine_carrying_its_head_drafts_as_the_head_beside_it(carrier, tmp_path):
-    from trtspec.heads.export import export_head
+    from trtspec.heads.carried import WEIGHT_BITS
+    from trtspec.heads.export import export_head_for
 
     engine_dir, head_dir = carrier
     engine = load_engine(engine_dir)
@@ -102,8 +103,10 @@ def test_an_engine_carrying_its_head_drafts_as_the_head_beside_it(carrier, tmp_p
     seen = _recorded(carried)
     assert [r.token_ids for r in carried.generate(PROMPTS, max_new_tokens=16)] == reference
     carried.close()
-    beside = Generator(engine, export_head(head_dir, tmp_path / "head", target=engine_dir), drafter="eagle3",
-                       num_draft_tokens=3, k_policy="fixed")
+    # beside it: the same head exported for the engine as the build carries it (its matrices in 8-bit blocks)
+    head = export_head_for(head_dir, tmp_path / "head", target=engine_dir, target_manifest=engine.manifest,
+                           weight_bits=WEIGHT_BITS)
+    beside = Generator(engine, head, drafter="eagle3", num_draft_tokens=3, k_policy="fixed")
     seen_beside = _recorded(beside)
     assert [r.token_ids for r in beside.generate(PROMPTS, max_new_tokens=16)] == reference
     beside.close()

@@ -16,14 +16,17 @@ from ..builder import HEAD_CARRIERS
 from ..runtime.drafters.auto import HEAD_DIR
 
 log = logging.getLogger("trtspec.build")
+WEIGHT_BITS = 8  # the carried head's matrices in 8-bit blocks: a head call costs what it reads (heads/export.py)
 
 
 def carry_head(head, engine_tmp: Path, manifest: dict, model_path) -> dict:
     """Export the head for the engine being written in ``engine_tmp`` (its manifest not yet on disk) into
-    ``engine_tmp/head``, the head's embedding (when it has none) from ``model_path``; -> the manifest's ``head``."""
+    ``engine_tmp/head``, its matrices in 8-bit blocks, the head's embedding (when it has none) from
+    ``model_path``; -> the manifest's ``head``."""
     from .export import export_head_for
 
-    export_head_for(head, engine_tmp / HEAD_DIR, target=engine_tmp, target_manifest=manifest, target_model=model_path)
+    export_head_for(head, engine_tmp / HEAD_DIR, target=engine_tmp, target_manifest=manifest, target_model=model_path,
+                    weight_bits=WEIGHT_BITS)
     log.info("carried the EAGLE-3 head %s in %s/", head, HEAD_DIR)
     return {"kind": "eagle3", "path": HEAD_DIR, "source": str(Path(head).resolve())}
 

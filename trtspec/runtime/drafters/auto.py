@@ -2,11 +2,11 @@
 that carries a head: heads/carried.py).
 
 Each round, every row first asks the suffix drafter (drafters/suffix.py: matches in the request's own text, in
-earlier outputs and in a datastore, each round's tree or chain shaped from the measured verify costs). A row
-goes to the head where the suffix drafter proposes nothing, or where the head's chain expects more accepted
-tokens (its acceptance measured so far, alpha + alpha^2 + ... up to the row's k) than the suffix proposal does
-(its nodes' calibrated scores summed). The head drafts its rows at the k with the most tokens expected per second
-from that acceptance and its measured call time (0: those rows verify alone). The head reads the
+earlier outputs and in a datastore, each round's tree or chain shaped from the measured verify costs). The rows
+it proposes nothing for go to the head, at the k with the most tokens expected per second from the head's
+acceptance measured on such rows and its measured call time (0: those rows verify alone). (Giving the head the
+rows where its chain expected more accepted tokens than the suffix proposal, without weighing its calls' cost,
+was measured slower: benchmarks/results/real-eagle3-own.md.) The head reads the
 target's features of every verified position whichever drafter drafted, so it is always ready (one catch-up call
 feeds the pairs of rounds it sat out). This is SuffixThenDraft with the head in the draft model's place.
 """
@@ -51,6 +51,9 @@ class AutoDrafter(SuffixThenDraft):
     reads_datastore = True
     proposes_trees = True
     shapes_own_rounds = True
+    # the head's cost per drafted token counts its catch-up call too (after a prompt or suffix rounds it feeds many
+    # pairs at once): with one-token calls alone the head was chosen where it made decode slower
+    whole_rounds = True
 
     @classmethod
     def make(cls, *, target, draft, max_batch, pad_id, tree_width, tree_nodes, datastore=None):
@@ -61,27 +64,9 @@ class AutoDrafter(SuffixThenDraft):
     def observe(self, first_row, starts, features):
         self.fallback.observe(first_row, starts, features)
 
-    def head_alpha(self) -> float:
-        """The head's acceptance per drafted token on the rows it drafted (prior 0.5, worth 8 drafts)."""
-        return (self.draft_accepted + 0.5 * 8) / (self.draft_checked + 8)
-
     def propose(self, tokens, n, caps, samplers, capacity):
-        suffix = self.suffix
-        proposal = suffix.propose(tokens, n, caps, samplers, capacity)
+        proposal = self.suffix.propose(tokens, n, caps, samplers, capacity)
         need = (proposal.counts == 0) & (caps > 0)
-        if suffix._round:
-            # a row the suffix drafter matched goes to the head where the head expects more tokens: the suffix
-            # nodes' calibrated scores summed (its expected accepted tokens) against the head's chain at this k
-            alpha = self.head_alpha()
-            proposal.counts = proposal.counts.copy()
-            for r, _, depths, scores, c in suffix._round:
-                gain = suffix._gain[c]
-                head = sum(alpha**j for j in range(1, int(caps[r]) + 1))
-                if head > sum(sc * (gain[d] if d < len(gain) else 1.0) for d, sc in zip(depths, scores)):
-                    need[r] = True
-                    proposal.counts[r] = 0
-            # (the suffix drafter calibrates only on the rows it still drafts)
-            suffix._round = [entry for entry in suffix._round if not need[entry[0]]]
         proposal = self._with_model(proposal, need, tokens, n, caps, samplers, capacity)
         # in the stats, each row's drafts are the suffix drafter's or the head's (eagle3)
         sources = proposal.sources or ["suffix"] * n.size

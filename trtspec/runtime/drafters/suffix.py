@@ -440,6 +440,7 @@ class SuffixThenDraft(Drafter):
 
     name = "suffix"  # (its rows drafted by the model say "draft": Proposal.sources)
     shapes_own_rounds = True
+    whole_rounds = False  # a draft's cost per token: its one-token calls (False), or all its round's calls (True)
     drafts_after_forced = False
 
     def __init__(self, suffix: SuffixDrafter, fallback):
@@ -512,6 +513,8 @@ class SuffixThenDraft(Drafter):
             return proposal
         chains = self.fallback.propose(tokens, n, np.where(need, np.minimum(caps, k), 0), samplers, capacity)
         single = [s for rows, t, s in chains.calls[1:] if t == 1]
+        if self.whole_rounds and chains.calls:  # every call of the round, its catch-up included, per drafted token
+            single = [sum(s for _, _, s in chains.calls) / max(1, int(chains.counts.max()))]
         if single:
             call = sum(single) / len(single)
             self.draft_call_s = call if self.draft_call_s is None else 0.8 * self.draft_call_s + 0.2 * call
