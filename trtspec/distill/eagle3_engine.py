@@ -25,7 +25,7 @@ import numpy as np
 
 from ..training import WORK, DistillError, TrainConfig, TrainLoop, check_out_dir, frozen_teacher
 from .data import TargetData, request_ids, write_target_data
-from .heads import EAGLE3_STEP_WEIGHT, _publish
+from .heads import EAGLE3_STEP_WEIGHT, _publish, eagle3_head
 from .prompts import SOURCES, heldout_chats, training_requests
 
 log = logging.getLogger("trtspec")
@@ -189,39 +189,12 @@ def engine_acceptance(engine_dir: Path, head_dir: Path, prompts, *, k: int, max_
             "tokens_per_target_call": out.stats.new_tokens / calls if calls else 0.0}
 
 
-def _head_config(teacher, spec, manifest_layers, draft_vocab: int, intermediate: int | None):
-    from ..heads.eagle3 import Eagle3Config
-
-    tc = teacher.config
-    rope = getattr(tc, "rope_parameters", None) or {}
-    return Eagle3Config(hidden_size=spec.hidden_size,
-                        intermediate_size=intermediate or min(tc.intermediate_size, 2 * spec.hidden_size),
-                        num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-                        vocab_size=spec.vocab_size, draft_vocab_size=draft_vocab, target_hidden_size=spec.hidden_size,
-                        rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-6)),
-                        rope_theta=float(rope.get("rope_theta", getattr(tc, "rope_theta", 10000.0))),
-                        max_position_embeddings=int(getattr(tc, "max_position_embeddings", 2048)),
-                        target_layers=list(manifest_layers))
-
-
 def _new_head(target: Path, manifest: dict, layers, answers: np.ndarray, size: int, intermediate, seed: int):
-    """A head for the engine's model (its sizes, its embedding, lm_head rows and norm) over the answers' ``size``
-    most frequent tokens -> (head, config, d2t, t2d)."""
-    import torch
-
+    """A head for the engine's model over the answers' ``size`` most frequent tokens -> (head, config, d2t, t2d)."""
     from ..exporter.architectures import arch_spec
-    from ..heads.eagle3 import draft_vocabulary, init_from_target, make_head
 
     teacher = frozen_teacher(engine_source(target, manifest))
-    spec = arch_spec(teacher.config)
-    config = _head_config(teacher, spec, layers, size, intermediate)
-    torch.manual_seed(seed)
-    head = make_head(config)
-    d2t, t2d = draft_vocabulary(answers, spec.vocab_size, size)
-    head.d2t.copy_(torch.from_numpy(d2t))
-    head.t2d.copy_(torch.from_numpy(t2d))
-    init_from_target(head, teacher)
-    return head, config, d2t, t2d
+    return eagle3_head(teacher, arch_spec(teacher.config), layers, answers, size, intermediate, seed)
 
 
 def distill_eagle3_engine(target, out, *, prompts=SOURCES, text=None, stdlib=None, data_dir=None,

@@ -89,6 +89,32 @@ def eagle3_targets(teacher, windows, layers, draft_ids):
     return features, x[:, 1:], probs
 
 
+def eagle3_head(teacher, spec, layers, token_ids: np.ndarray, draft_vocab: int, intermediate: int | None, seed: int):
+    """A new EAGLE-3 head for ``teacher`` (its sizes; its embedding, lm_head rows, MLP and norm where the shapes
+    agree) over the ``draft_vocab`` most frequent tokens of ``token_ids`` -> (head, config, d2t, t2d)."""
+    import torch
+
+    from ..heads.eagle3 import Eagle3Config, draft_vocabulary, init_from_target, make_head
+
+    tc = teacher.config
+    rope = getattr(tc, "rope_parameters", None) or {}
+    config = Eagle3Config(hidden_size=spec.hidden_size,
+                          intermediate_size=intermediate or min(tc.intermediate_size, 2 * spec.hidden_size),
+                          num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+                          head_dim=spec.head_dim, vocab_size=spec.vocab_size, draft_vocab_size=draft_vocab,
+                          target_hidden_size=spec.hidden_size, rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-6)),
+                          rope_theta=float(rope.get("rope_theta", getattr(tc, "rope_theta", 10000.0))),
+                          max_position_embeddings=int(getattr(tc, "max_position_embeddings", 2048)),
+                          target_layers=list(layers))
+    torch.manual_seed(seed)
+    head = make_head(config)
+    d2t, t2d = draft_vocabulary(token_ids, spec.vocab_size, draft_vocab)
+    head.d2t.copy_(torch.from_numpy(d2t))
+    head.t2d.copy_(torch.from_numpy(t2d))
+    init_from_target(head, teacher)
+    return head, config, d2t, t2d
+
+
 def distill_eagle3(target, out, data, *, heldout=None, pattern: str = "*.py", draft_vocab: int = 2048,
                    intermediate: int | None = None, ttt_steps: int = 3, steps: int | None = None,
                    minutes: float | None = None, batch: int = 8, seq: int = 256, lr: float = 2e-3, seed: int = 0,
@@ -97,7 +123,7 @@ def distill_eagle3(target, out, data, *, heldout=None, pattern: str = "*.py", dr
     """Train an EAGLE-3 head for ``target`` into ``out`` (the released layout, heads/eagle3.py); returns the report."""
     import torch
 
-    from ..heads.eagle3 import Eagle3Config, default_layers, draft_vocabulary, head_parameters, init_from_target, make_head, save_head
+    from ..heads.eagle3 import default_layers, head_parameters, save_head
 
     say = log.info
     target, out = Path(target), Path(out)
@@ -107,20 +133,8 @@ def distill_eagle3(target, out, data, *, heldout=None, pattern: str = "*.py", dr
         raise DistillError(f"ttt_steps must be >= 1, got {ttt_steps}")
     spec, tokenizer, train_ids, held_ids, held_files, teacher = _prepare(target, out, data, heldout, pattern, seq,
                                                                           draft_vocab, threads, say)
-    tc = teacher.config
     layers = default_layers(spec.num_layers)
-    config = Eagle3Config(hidden_size=spec.hidden_size, intermediate_size=intermediate or min(tc.intermediate_size, 2 * spec.hidden_size),
-                          num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-                          vocab_size=spec.vocab_size, draft_vocab_size=draft_vocab, target_hidden_size=spec.hidden_size,
-                          rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-6)),
-                          rope_theta=float((getattr(tc, "rope_parameters", None) or {}).get("rope_theta", getattr(tc, "rope_theta", 10000.0))),
-                          max_position_embeddings=int(getattr(tc, "max_position_embeddings", 2048)), target_layers=layers)
-    torch.manual_seed(seed)
-    head = make_head(config)
-    d2t, t2d = draft_vocabulary(train_ids, spec.vocab_size, draft_vocab)
-    head.d2t.copy_(torch.from_numpy(d2t))
-    head.t2d.copy_(torch.from_numpy(t2d))
-    init_from_target(head, teacher)
+    head, config, _, _ = eagle3_head(teacher, spec, layers, train_ids, draft_vocab, intermediate, seed)
     draft_ids = torch.arange(draft_vocab) + head.d2t
     coverage = float(np.isin(held_ids, draft_ids.numpy()).mean()) if held_ids.size else float("nan")
     say(f"[distill] EAGLE-3 head: {head_parameters(head) / 1e6:.2f}M parameters (the target's embedding shared), "
