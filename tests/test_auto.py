@@ -88,26 +88,86 @@ def _recorded(gen):
     return seen
 
 
-def test_an_engine_carrying_its_head_drafts_as_the_head_beside_it(carrier, tmp_path):
-    from trtspec.heads.carried import WEIGHT_BITS
-    from trtspec.heads.export import export_head_for
-
-    engine_dir, head_dir = carrier
+def test_an_engine_carrying_its_head_drafts_with_it_compiled(carrier):
+    engine_dir, _ = carrier
     engine = load_engine(engine_dir)
     assert engine.manifest["head"]["kind"] == "eagle3" and engine.manifest["model"]["hidden_states"]["layers"]
+    assert engine.manifest["head"]["form"] == "compiled"
     plain = Generator(engine, drafter="none")
     reference = [r.token_ids for r in plain.generate(PROMPTS, max_new_tokens=16)]
     plain.close()
     assert Generator(engine).scheduler.drafter_name == "auto"  # the default for an engine with a head
     carried = Generator(engine, drafter="eagle3", num_draft_tokens=3, k_policy="fixed")  # no draft given
+    assert carried.scheduler.drafter.engine.backend == "torch"
     seen = _recorded(carried)
     assert [r.token_ids for r in carried.generate(PROMPTS, max_new_tokens=16)] == reference
     carried.close()
-    # beside it: the same head exported for the engine as the build carries it (its matrices in 8-bit blocks)
-    head = export_head_for(head_dir, tmp_path / "head", target=engine_dir, target_manifest=engine.manifest,
-                           weight_bits=WEIGHT_BITS)
-    beside = Generator(engine, head, drafter="eagle3", num_draft_tokens=3, k_policy="fixed")
-    seen_beside = _recorded(beside)
-    assert [r.token_ids for r in beside.generate(PROMPTS, max_new_tokens=16)] == reference
-    beside.close()
-    assert seen == seen_beside and any(any(row) for row in seen)
+    assert any(any(row) for row in seen)
+
+
+def test_the_compiled_head_computes_the_head(carrier, model_dir):
+    """The carried head's package (8-bit blocks, int8 activations) against the head's float step on the same calls:
+    target features for 6 positions, then a drafted position reading the head's own output."""
+    import numpy as np
+    import torch
+
+    from trtspec.heads.eagle3 import load_head
+    from trtspec.heads.export import _step_module
+
+    engine_dir, head_dir = carrier
+    compiled = load_engine(engine_dir / "head")
+    head, config = load_head(head_dir, target_dir=model_dir(ARCH))
+    step = _step_module(head.float().eval(), S_MAX)
+    rng = np.random.default_rng(0)
+    t = 6
+    ids = rng.integers(0, config.vocab_size, (1, t + 1))
+    features = rng.standard_normal((1, t, 3 * config.target_hidden_size)).astype(np.float32)
+    cache = [torch.zeros(1, config.num_key_value_heads, S_MAX, config.head_dim) for _ in range(2)]
+    calls = [(ids[:, :t], np.arange(t)[None], {"features": features}), (ids[:, t:], np.array([[t]]), None)]
+    hidden = None  # the float step's output hidden states, from the first call on
+    for i, (call_ids, pos, inputs) in enumerate(calls):
+        if inputs is None:  # the drafted position: the head's own output at the position before
+            inputs = {"hidden_in": hidden[:, -1:]}
+        got = compiled.forward(call_ids, pos, inputs=inputs).copy()
+        got_hidden = compiled.features.copy()
+        f = torch.from_numpy(inputs.get("features", np.zeros((1, pos.shape[1], 3 * config.target_hidden_size),
+                                                                np.float32)))
+        h_in = torch.from_numpy(inputs.get("hidden_in", np.zeros((1, pos.shape[1], config.hidden_size), np.float32)))
+        with torch.no_grad():
+            ref, hidden, *cache = step(torch.from_numpy(call_ids), torch.from_numpy(pos), f, h_in, *cache)
+        ref, hidden = ref.numpy(), hidden.numpy()
+        assert got.shape == ref.shape == (1, pos.shape[1], config.draft_vocab_size)
+        # 8-bit weights and int8 activations: within a few percent of the logits' range, the same top token
+        assert np.abs(got - ref).max() <= 0.03 * np.abs(ref).max(), (i, np.abs(got - ref).max(), np.abs(ref).max())
+        assert np.abs(got_hidden - hidden).max() <= 0.03 * np.abs(hidden).max()
+        assert (got.argmax(-1) == ref.argmax(-1)).all()
+    with pytest.raises(ValueError, match=r"features has shape \(1, 6, \d+\), the call needs \(1, 2, "):
+        compiled.forward(ids[:, :2], np.arange(2)[None], inputs={"features": features})
+    with pytest.raises(ValueError, match="takes no input features"):  # the target's engine has none
+        load_engine(engine_dir).forward(ids[:, :1], np.zeros((1, 1), np.int64), inputs={"features": features[:, :1]})
+
+
+def test_where_the_kernels_cannot_be_built_the_head_is_carried_for_onnxruntime(carrier, model_dir, tmp_path,
+                                                                                monkeypatch):
+    import shutil
+
+    from trtspec import kernels
+    from trtspec.heads.carried import carry_head
+
+    engine_dir, head_dir = carrier
+    engine = load_engine(engine_dir)
+    reference = [r.token_ids for r in Generator(engine, drafter="none").generate(PROMPTS, max_new_tokens=16)]
+    writing = tmp_path / "engine"  # the engine as the build has it when it carries the head
+    shutil.copytree(engine_dir, writing, ignore=shutil.ignore_patterns("head"))
+    monkeypatch.setattr(kernels, "load", lambda *a, **k: "torch")
+    monkeypatch.setattr(kernels, "status", lambda: {"backend": "torch", "reason": "no C++ compiler"})
+    section = carry_head(head_dir, writing, engine.manifest, model_dir(ARCH))
+    monkeypatch.undo()
+    assert section["form"] == "onnxruntime"
+    head = load_engine(writing / section["path"])
+    assert head.backend == "onnxruntime" and head.manifest["model"]["weight_bits"] == 8
+    gen = Generator(engine, head, drafter="eagle3", num_draft_tokens=3, k_policy="fixed")
+    seen = _recorded(gen)
+    assert [r.token_ids for r in gen.generate(PROMPTS, max_new_tokens=16)] == reference
+    gen.close()
+    assert any(any(row) for row in seen)

@@ -81,3 +81,30 @@ def test_head_training_resumes_to_the_losses_of_an_uninterrupted_run(engine, tmp
     acceptance = whole["heldout"]["acceptance"]
     assert acceptance["prompts"] == 2 and 0.0 <= acceptance["alpha"] <= 1.0
     assert whole["draft_vocab"]["size"] == 64
+
+
+def test_training_on_from_a_head_starts_from_its_weights_and_vocabulary(engine, tmp_path):
+    """--init: a run from a trained head (at a learning rate too small to move it) measures what that head measured,
+    over the same vocabulary; another vocabulary size is refused."""
+    import torch
+
+    from trtspec.distill import eagle3_engine
+    from trtspec.heads.eagle3 import load_head
+    from trtspec.training import DistillError
+
+    write_target_data(engine, tmp_path / "data", _requests(4), max_new_tokens=24)
+    options = dict(data_dir=tmp_path / "data", data_tokens=0, batch=2, seq=32, eval_every=0, eval_tokens=8,
+                   heldout=[(f"h{n}", ids) for n, ids in _requests(2)], bf16=False)
+    first = eagle3_engine.distill_eagle3_engine(engine, tmp_path / "first", steps=8, draft_vocab=48, lr=5e-3, **options)
+    on = eagle3_engine.distill_eagle3_engine(engine, tmp_path / "on", steps=1, lr=1e-12, init=tmp_path / "first",
+                                             **options)
+    assert on["draft_vocab"]["size"] == 48 and on["training"]["init"] == str(tmp_path / "first")
+    assert on["heldout"]["heldout_agreement"] == first["heldout"]["heldout_agreement"]
+    target = eagle3_engine.engine_source(engine, load_engine(engine).manifest)
+    a, _ = load_head(tmp_path / "first", target_dir=target)
+    b, _ = load_head(tmp_path / "on", target_dir=target)
+    assert torch.equal(a.d2t, b.d2t)
+    assert torch.allclose(a.fc.weight, b.fc.weight, atol=1e-6) and not torch.equal(a.fc.weight, torch.zeros_like(a.fc.weight))
+    with pytest.raises(DistillError, match="vocabulary of 48 tokens"):
+        eagle3_engine.distill_eagle3_engine(engine, tmp_path / "other", steps=1, draft_vocab=64,
+                                            init=tmp_path / "first", **options)

@@ -424,6 +424,8 @@ def _add_distill(sub):
                      help="the head's vocabulary covers this share of the answers' tokens (default: 0.97; "
                           "--draft-vocab: a size)")
     own.add_argument("--device", default="cpu", help="where the head trains: cpu or cuda")
+    own.add_argument("--init", help="an EAGLE-3 head to train on: its weights, shape and vocabulary (default: none, "
+                                    "a new head)")
     own.add_argument("--eval-every", type=int, default=500,
                      help="steps between held-out acceptance checks through the engines (at checkpoints; 0: at the "
                           "end only)")

@@ -168,7 +168,7 @@ def distill(target, out, data=None, *, method: str = "draft", heldout=None, patt
             prompts: str = "humaneval,chat,docstring,text", text: str | None = None, stdlib: str | None = None,
             data_dir: str | None = None, data_tokens: int | None = None, samples: int = 0,
             max_new_tokens: int = 256, coverage: float = 0.97, device: str = "cpu",
-            eval_every: int = 500) -> dict:
+            eval_every: int = 500, init: str | None = None) -> dict:
     """Train a draft for ``target`` into ``out`` (an HF model directory) and return the report (see module doc).
 
     ``method``: "draft" (a small model of the target's family; batch 16, lr 3e-3 by default), "eagle3" (an
@@ -196,7 +196,9 @@ def distill(target, out, data=None, *, method: str = "draft", heldout=None, patt
             coverage=coverage, intermediate=intermediate, ttt_steps=ttt_steps or 4, steps=steps, minutes=minutes,
             batch=batch or 8, seq=seq, lr=lr or 2e-3, seed=seed, bf16=bf16, device=device,
             eval_every=eval_every, eval_k=eval_k, eval_tokens=eval_tokens, threads=threads,
-            checkpoint_every=checkpoint_every)
+            checkpoint_every=checkpoint_every, init=init)
+    if init is not None:
+        raise DistillError("--init (training an EAGLE-3 head on) takes a built engine as --target (--method eagle3)")
     if data is None:
         raise DistillError("--data (text files or directories) is needed to distill from a model directory; a built "
                            "engine (--target ENGINE, --method eagle3) writes its own data")

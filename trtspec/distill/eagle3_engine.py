@@ -196,26 +196,30 @@ def _new_head(target: Path, manifest: dict, layers, answers: np.ndarray, size: i
     return eagle3_head(teacher, arch_spec(teacher.config), layers, answers, size, intermediate, seed)
 
 
-def distill_eagle3_engine(target, out, *, prompts=SOURCES, text=None, stdlib=None, data_dir=None,
-                          data_tokens: int | None = None, samples: int = 0, max_new_tokens: int = 256,
-                          draft_vocab: int | None = None, coverage: float = 0.97, intermediate: int | None = None,
-                          ttt_steps: int = 4, steps: int | None = None, minutes: float | None = None, batch: int = 8,
-                          seq: int = 512, lr: float = 2e-3, seed: int = 0, bf16: bool = True, device: str = "cpu",
-                          eval_every: int | None = 500, eval_k: int = 4, eval_tokens: int = 64,
-                          threads: int | None = None, checkpoint_every: int = 100, requests=None,
-                          heldout=None) -> dict:
-    """Train an EAGLE-3 head for the built engine ``target`` into ``out`` (module docstring); returns the report.
-    ``requests`` / ``heldout``: (name, messages or token ids) pairs instead of the sources' and heldout_chats()."""
-    import torch
+def _init_head(init: Path, target: Path, manifest: dict, layers, draft_vocab: int | None):
+    """The EAGLE-3 head in ``init`` to train on (its weights and its vocabulary) -> (head, config, d2t, t2d);
+    refused when it was made for another model or reads other layers."""
+    from ..heads.eagle3 import load_head
 
-    from ..heads.eagle3 import default_layers, head_parameters, save_head
-    from ..manifest import read_manifest
-    from transformers import AutoTokenizer
-
-    say = log.info
-    target, out = Path(target), Path(out)
-    manifest = read_manifest(target)
+    head, config = load_head(init, target_dir=engine_source(target, manifest))
     model = manifest["model"]
+    per_layer = model["hidden_states"]["size"] // len(model["hidden_states"]["layers"])
+    if (config.vocab_size, config.target_hidden_size) != (model["vocab_size"], per_layer):
+        raise DistillError(f"--init {init} is a head for a model of {config.vocab_size} tokens and hidden size "
+                           f"{config.target_hidden_size}; {target}'s has {model['vocab_size']} and {per_layer}")
+    if list(config.target_layers or layers) != list(layers):
+        raise DistillError(f"--init {init} reads the target's layers {config.target_layers}; this training feeds "
+                           f"it layers {list(layers)}")
+    if draft_vocab is not None and draft_vocab != config.draft_vocab_size:
+        raise DistillError(f"--init {init} has a vocabulary of {config.draft_vocab_size} tokens; drop --draft-vocab "
+                           f"{draft_vocab} (a head keeps its vocabulary when it trains on)")
+    return head, config, head.d2t.numpy().copy(), head.t2d.numpy().copy()
+
+
+def _feature_layers(target: Path, model: dict) -> list[int]:
+    """The target layers an EAGLE-3 head reads (EAGLE-3's low, mid, high), refused where the engine lacks them."""
+    from ..heads.eagle3 import default_layers
+
     if model.get("head"):
         raise DistillError(f"{target} is a draft head; --target takes the target's engine")
     layers = default_layers(model["num_layers"])
@@ -223,6 +227,31 @@ def distill_eagle3_engine(target, out, *, prompts=SOURCES, text=None, stdlib=Non
     if any(i not in have for i in layers):
         raise DistillError(f"{target} outputs the hidden states of layers {have or 'none'}; an EAGLE-3 head reads "
                            f"{layers}: build the target with --hidden-states low,mid,high")
+    return layers
+
+
+def distill_eagle3_engine(target, out, *, prompts=SOURCES, text=None, stdlib=None, data_dir=None,
+                          data_tokens: int | None = None, samples: int = 0, max_new_tokens: int = 256,
+                          draft_vocab: int | None = None, coverage: float = 0.97, intermediate: int | None = None,
+                          ttt_steps: int = 4, steps: int | None = None, minutes: float | None = None, batch: int = 8,
+                          seq: int = 512, lr: float = 2e-3, seed: int = 0, bf16: bool = True, device: str = "cpu",
+                          eval_every: int | None = 500, eval_k: int = 4, eval_tokens: int = 64,
+                          threads: int | None = None, checkpoint_every: int = 100, requests=None,
+                          heldout=None, init=None) -> dict:
+    """Train an EAGLE-3 head for the built engine ``target`` into ``out`` (module docstring); returns the report.
+    ``requests`` / ``heldout``: (name, messages or token ids) pairs instead of the sources' and heldout_chats().
+    ``init``: a head to start from (its weights and vocabulary: training it on, e.g. on more answers)."""
+    import torch
+
+    from ..heads.eagle3 import head_parameters, save_head
+    from ..manifest import read_manifest
+    from transformers import AutoTokenizer
+
+    say = log.info
+    target, out = Path(target), Path(out)
+    manifest = read_manifest(target)
+    model = manifest["model"]
+    layers = _feature_layers(target, model)
     if steps is None and minutes is None:
         steps = 2000
     if ttt_steps < 1 or not 0 < coverage <= 1:
@@ -244,22 +273,28 @@ def distill_eagle3_engine(target, out, *, prompts=SOURCES, text=None, stdlib=Non
     write_target_data(target, data_dir / HELDOUT, heldout, max_new_tokens=eval_tokens)
     data, held = TargetData(data_dir), TargetData(data_dir / HELDOUT)
     answers = data.answer_tokens()
-    size = draft_vocab or vocabulary_for(answers, model["vocab_size"], coverage)
-    head, config, d2t, t2d = _new_head(target, manifest, layers, answers, size, intermediate, seed)
+    if init is not None:
+        head, config, d2t, t2d = _init_head(Path(init), target, manifest, layers, draft_vocab)
+    else:
+        size = draft_vocab or vocabulary_for(answers, model["vocab_size"], coverage)
+        head, config, d2t, t2d = _new_head(target, manifest, layers, answers, size, intermediate, seed)
+    size = config.draft_vocab_size
     to_draft = np.full(config.vocab_size, -1, np.int64)
     to_draft[np.arange(size) + d2t] = np.arange(size)
     held_cov = float(np.isin(held.answer_tokens(), np.arange(size) + d2t).mean())
     say(f"[distill] EAGLE-3 head for {target}: {head_parameters(head) / 1e6:.2f}M parameters, features of layers "
         f"{layers} from the engine, {len(data)} answers ({answers.size} tokens) written by it, draft vocabulary "
         f"{size} (covers {(t2d[answers]).mean():.1%} of them and {held_cov:.1%} of the held-out answers), "
-        f"{ttt_steps} training-time steps, on {device}")
+        f"{ttt_steps} training-time steps, on {device}" + (f", starting from {init}" if init is not None else ""))
     head.to(device)
     train, heldout_batches = Batches(data, to_draft, seq, seed), Batches(held, to_draft, seq, seed)
     cfg = TrainConfig(steps=steps, minutes=minutes if steps is None else None, batch=batch, seq=seq, lr=lr, seed=seed,
                       bf16=bf16, checkpoint_every=checkpoint_every,
                       extra={"method": "eagle3-engine", "target": str(target.resolve()), "config": config.to_dict(),
+                             "init": str(Path(init).resolve()) if init is not None else None,
                              "ttt_steps": ttt_steps, "answers": len(data), "answer_tokens": int(answers.size)})
-    cfg_report = {"batch": batch, "seq": seq, "peak_lr": lr, "ttt_steps": ttt_steps, "seed": seed, "device": device}
+    cfg_report = {"batch": batch, "seq": seq, "peak_lr": lr, "ttt_steps": ttt_steps, "seed": seed, "device": device,
+                  "init": init and str(init)}
     evals_path = out / WORK / "evaluations.json"  # kept beside the checkpoint: a resumed run reports them all
     evals: list[dict] = json.loads(evals_path.read_text()) if evals_path.is_file() else []
     counted = [0]

@@ -131,6 +131,9 @@ class TorchAOTEngine(TorchCacheRows):
         model = manifest["model"]
         self.max_seq_len, self.max_batch = model["max_seq_len"], model["max_batch"]
         self.vocab_size = model["vocab_size"]
+        self.logits_size = model.get("logits_size", self.vocab_size)  # a draft head's own vocabulary
+        self.extra_inputs = dict(model.get("extra_inputs") or {})  # a carried head's float inputs [B, T, n]
+        self._zeros: dict[tuple[int, int, int], object] = {}
         self.max_call_tokens = max_call_tokens(model)
         self.tree_verify = bool(model.get("tree_verify"))
         self.features_size = (model.get("hidden_states") or {}).get("size")
@@ -155,9 +158,10 @@ class TorchAOTEngine(TorchCacheRows):
         # input_ids [B, T] int64, position_ids [B, T] int64 -> logits [B, T, V] float32 numpy (a fresh array)
         import torch
 
-        if inputs:
-            raise ValueError(f"torch engines take no extra inputs ({', '.join(inputs)}): draft heads run as their "
-                             "own onnxruntime step graph (trtspec export-head)")
+        unknown = sorted(set(inputs or ()) - set(self.extra_inputs))
+        if unknown:
+            raise ValueError(f"{self.path} takes no input {', '.join(unknown)} (its extra inputs: "
+                             f"{', '.join(self.extra_inputs) or 'none'})")
         input_ids, position_ids, tree_mask = check_call(self, input_ids, position_ids, first_row, tree_mask)
         if self._rings is not None:
             self._rings.wrote(first_row, position_ids)
@@ -168,7 +172,18 @@ class TorchAOTEngine(TorchCacheRows):
             args.append(torch.from_numpy(mask).to(dev))
         else:
             args.append(self._slots[: live_length(position_ids, self.max_seq_len)])
-        b = input_ids.shape[0]
+        b, t = input_ids.shape
+        for name, size in self.extra_inputs.items():  # (zeros where one is not given, as onnxruntime's engine)
+            value = None if inputs is None else inputs.get(name)
+            if value is None:
+                zeros = self._zeros.get((b, t, size))
+                if zeros is None:
+                    zeros = self._zeros[b, t, size] = torch.zeros((b, t, size), device=dev)
+                args.append(zeros)
+            elif np.shape(value) != (b, t, size):
+                raise ValueError(f"{name} has shape {np.shape(value)}, the call needs {(b, t, size)}")
+            else:
+                args.append(torch.from_numpy(np.ascontiguousarray(value, np.float32)).to(dev))
         rows = self._rows_views.get((first_row, b))
         if rows is None:  # 60 slices cost ~80 us a call: made once per (first row, rows), the caches never move
             rows = self._rows_views[first_row, b] = [c[first_row : first_row + b] for c in self._caches]

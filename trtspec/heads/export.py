@@ -97,6 +97,52 @@ def _model_dir(manifest: dict) -> Path | None:
     return path if (path / "config.json").is_file() or find_gguf(path) is not None else None
 
 
+def checked_head(head_dir, target: Path, target_manifest: dict, target_model=None):
+    """The head in ``head_dir`` loaded for the target (its export or engine, with its manifest) -> (head, config,
+    the target layers it reads); refused when the target lacks those features or is another model."""
+    from .eagle3 import default_layers, load_head
+
+    model = target_manifest["model"]
+    if model.get("head"):
+        raise ArtifactError(f"{target} is a draft head, not a target model")
+    head, config = load_head(head_dir, target_dir=target_model or _model_dir(target_manifest))
+    layers = config.target_layers or default_layers(model["num_layers"])
+    feature_columns(model, layers, config.target_hidden_size, "the EAGLE-3 head")  # refuses a target without them
+    if config.vocab_size != model["vocab_size"]:
+        raise ArtifactError(f"the head's vocabulary has {config.vocab_size} tokens, the target's {model['vocab_size']}: "
+                            "this head was trained for another model")
+    per_layer = model["hidden_states"]["size"] // len(model["hidden_states"]["layers"])
+    if config.target_hidden_size != per_layer:
+        raise ArtifactError(f"the head reads hidden states of {config.target_hidden_size} values per layer, the target's "
+                            f"have {per_layer}: this head was trained for another model")
+    return head, config, layers
+
+
+def head_section(head, config, model: dict, layers, max_seq_len: int, max_batch: int) -> dict:
+    """The manifest's model section of a head made for the target whose model section is ``model``."""
+    return {
+        "architecture": KIND, "head": KIND, "vocab_size": config.vocab_size, "logits_size": config.draft_vocab_size,
+        "num_layers": 1, "num_heads": config.num_attention_heads, "num_kv_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim, "max_seq_len": max_seq_len, "max_batch": max_batch, "dtype": "float32",
+        "sliding_windows": [None], "cache_slots": [max_seq_len], "max_call_tokens": max_seq_len,
+        "kv_aliases": {"present_key_0": "past_key_0", "present_value_0": "past_value_0"},
+        "extra_inputs": {"features": 3 * config.target_hidden_size, "hidden_in": config.hidden_size},
+        "hidden_states": {"layers": [], "size": config.hidden_size}, "target_layers": layers,
+        "special_tokens": model["special_tokens"], "tokenizer_fingerprint": model["tokenizer_fingerprint"],
+        "weight_bytes": sum(p.numel() * p.element_size() for p in head.parameters()),
+    }
+
+
+def carry_head_files(tmp: Path, head, target: Path, target_manifest: dict, manifest: dict) -> None:
+    """Into a head artifact being written: the draft vocabulary's map to target ids and the target's tokenizer."""
+    np.save(tmp / DRAFT_TO_TARGET, (np.arange(head.config.draft_vocab_size) + head.d2t.numpy()).astype(np.int64))
+    if target_manifest.get("tokenizer"):
+        import shutil
+
+        shutil.copytree(target / target_manifest["tokenizer"], tmp / target_manifest["tokenizer"])
+        manifest["tokenizer"] = target_manifest["tokenizer"]
+
+
 def export_head(head_dir, out_dir, *, target, target_model=None, max_seq_len: int | None = None,
                 max_batch: int | None = None) -> Path:
     """Export the EAGLE-3 head in ``head_dir`` for ``target`` (its export or engine artifact, exported with
@@ -118,24 +164,11 @@ def export_head_for(head_dir, out_dir, *, target, target_manifest: dict, target_
 
     from ..exporter.kv_cache_op import TRANSLATION_TABLE
     from ..exporter.step_graph import OPSET
-    from .eagle3 import default_layers, load_head
 
     t0 = time.perf_counter()
     target, out_dir = Path(target), Path(out_dir)
-    tm = target_manifest
-    model = tm["model"]
-    if model.get("head"):
-        raise ArtifactError(f"{target} is a draft head, not a target model")
-    head, config = load_head(head_dir, target_dir=target_model or _model_dir(tm))
-    layers = config.target_layers or default_layers(model["num_layers"])
-    feature_columns(model, layers, config.target_hidden_size, "the EAGLE-3 head")  # refuses a target without them
-    if config.vocab_size != model["vocab_size"]:
-        raise ArtifactError(f"the head's vocabulary has {config.vocab_size} tokens, the target's {model['vocab_size']}: "
-                            "this head was trained for another model")
-    per_layer = model["hidden_states"]["size"] // len(model["hidden_states"]["layers"])
-    if config.target_hidden_size != per_layer:
-        raise ArtifactError(f"the head reads hidden states of {config.target_hidden_size} values per layer, the target's "
-                            f"have {per_layer}: this head was trained for another model")
+    head, config, layers = checked_head(head_dir, target, target_manifest, target_model)
+    model = target_manifest["model"]
     max_seq_len = max_seq_len or model["max_seq_len"]
     max_batch = max_batch or model["max_batch"]
     step = _step_module(head, max_seq_len)
@@ -158,19 +191,8 @@ def export_head_for(head_dir, out_dir, *, target, target_manifest: dict, target_
                                     verbose=False)
     for node in program.model.graph.all_nodes():
         node.metadata_props.clear()
-    params = {id(p): p for p in head.parameters()}
-    section = {
-        "architecture": KIND, "head": KIND, "vocab_size": config.vocab_size, "logits_size": config.draft_vocab_size,
-        "num_layers": 1, "num_heads": config.num_attention_heads, "num_kv_heads": config.num_key_value_heads,
-        "head_dim": d, "max_seq_len": max_seq_len, "max_batch": max_batch, "dtype": "float32",
-        "sliding_windows": [None], "cache_slots": [max_seq_len], "max_call_tokens": max_seq_len,
-        "kv_aliases": {"present_key_0": "past_key_0", "present_value_0": "past_value_0"},
-        "extra_inputs": {"features": 3 * config.target_hidden_size, "hidden_in": config.hidden_size},
-        "hidden_states": {"layers": [], "size": config.hidden_size}, "target_layers": layers,
-        "special_tokens": model["special_tokens"], "tokenizer_fingerprint": model["tokenizer_fingerprint"],
-        "weight_bytes": sum(p.numel() * p.element_size() for p in params.values()),
-        "opset": OPSET, "inputs": names_in, "outputs": names_out,
-    }
+    section = head_section(head, config, model, layers, max_seq_len, max_batch)
+    section.update({"opset": OPSET, "inputs": names_in, "outputs": names_out})
     manifest = {"format": EXPORT_FORMAT, "graph": GRAPH, "model": section, "config": config.to_dict(),
                 "source": {"head_dir": str(Path(head_dir).resolve()), "target": str(target.resolve())},
                 "versions": versions("torch", "onnx", "onnxscript")}
@@ -180,12 +202,7 @@ def export_head_for(head_dir, out_dir, *, target, target_manifest: dict, target_
             _weights_in_blocks(tmp / GRAPH, weight_bits)
             section["weight_bits"] = weight_bits
         onnx.checker.check_model(str(tmp / GRAPH), full_check=True)
-        np.save(tmp / DRAFT_TO_TARGET, (np.arange(config.draft_vocab_size) + head.d2t.numpy()).astype(np.int64))
-        if tm.get("tokenizer"):
-            import shutil
-
-            shutil.copytree(target / tm["tokenizer"], tmp / tm["tokenizer"])
-            manifest["tokenizer"] = tm["tokenizer"]
+        carry_head_files(tmp, head, target, target_manifest, manifest)
     log.info("exported the EAGLE-3 head %s for %s in %.1f s", head_dir, target, time.perf_counter() - t0)
     return out_dir
 
