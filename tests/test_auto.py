@@ -171,3 +171,67 @@ def test_where_the_kernels_cannot_be_built_the_head_is_carried_for_onnxruntime(c
     assert [r.token_ids for r in gen.generate(PROMPTS, max_new_tokens=16)] == reference
     gen.close()
     assert any(any(row) for row in seen)
+
+
+def _linear_costs(one=1.0, per_token=0.1):
+    return lambda b, t, tree=False: one + per_token * (t - 1)
+
+
+def test_chains_stop_where_another_draft_no_longer_pays():
+    import numpy as np
+
+    from trtspec.runtime.drafters.auto import ConfidenceStop
+
+    stop = ConfidenceStop(_linear_costs())
+    calls = [(2, 3, 0.05), (2, 1, 0.05), (2, 1, 0.05), (2, 1, 0.05)]
+    chains = np.array([[0.9, 0.8, 0.7, 0.6], [0.05, 0.01, 0.005, 0.001]])
+    # before any verdict the probabilities are taken as they are: a likely chain is kept whole (tokens 1 + 3.0 over
+    # 1.3 + 0.2 s beat every shorter one), an unlikely one is cut to nothing (one token over 1.2 s is the best)
+    assert stop.trim(chains, np.array([4, 4]), calls).tolist() == [4, 0]
+    assert stop.call_s == pytest.approx(0.05) and list(stop.pending) == [0]
+    # one more draft pays for the first row (0.6 * 0.6 / 0.7 more tokens for 0.15 s), not for the second
+    assert stop.extend(chains[:, :4], calls[:1]).tolist() == [True, False]
+    assert stop.trim(chains, np.array([2, 4]), calls).tolist() == [2, 0]  # never more than a row drafted
+    # the target rejects such confident chains' first draft, again and again: the calibration learns it
+    for _ in range(40):
+        stop.trim(chains, np.array([4, 4]), calls)
+        stop.record(0, 0)
+    assert stop.calibrated(chains[:1])[0, 0] < 0.1
+    assert stop.trim(chains, np.array([4, 4]), calls).tolist() == [0, 0]
+    assert not stop.extend(chains[:, :1], calls[:1]).any()
+    # costs not measured yet: chains are not cut
+    assert ConfidenceStop(lambda b, t, tree=False: None).trim(chains, np.array([3, 4]), calls).tolist() == [3, 4]
+
+
+def test_the_head_is_asked_only_while_asking_it_paid(eagle):
+    from trtspec.runtime.drafters import AutoDrafter
+    from trtspec.runtime.drafters.auto import _PROBE_EVERY
+
+    target_path, head_path, _ = eagle
+    gen = Generator(load_engine(target_path), head_path, drafter="auto")
+    drafter = gen.scheduler.drafter
+    assert isinstance(drafter, AutoDrafter)
+    drafter._greedy, drafter.costs = True, _linear_costs()
+    assert drafter._draft_k(1, 4) == 4  # nothing measured yet: asked
+    drafter.asked = (0.1, 2.0, 0.5)  # 1.1 tokens over 1.1 + 0.5 s: slower than one token a second
+    assert [drafter._draft_k(1, 4) for _ in range(_PROBE_EVERY + 1)] == [0] * _PROBE_EVERY + [4]  # then a probe
+    drafter.asked = (1.5, 3.0, 0.3)  # 2.5 tokens over 1.2 + 0.3 s
+    assert drafter._draft_k(1, 4) == 4
+    drafter._greedy = False  # sampled rows: the head's measured acceptance and call costs (SuffixThenDraft)
+    drafter.draft_accepted, drafter.draft_checked, drafter.draft_call_s = 0.0, 100.0, 0.5
+    assert drafter._draft_k(1, 4) == 0
+    gen.close()
+
+
+def test_auto_with_measured_costs_cuts_chains_and_equals_the_target(eagle):
+    """The default load-aware policy: the call costs are measured, the chains cut by the head's calibrated
+    probabilities; the output is the target's, alone and batched."""
+    target_path, head_path, _ = eagle
+    target = load_engine(target_path)
+    reference = [r.token_ids for r in Generator(target).generate(PROMPTS * 2, max_new_tokens=40)]
+    gen = Generator(target, head_path, drafter="auto", num_draft_tokens=4)
+    stop = gen.scheduler.drafter.stop
+    assert [gen.generate(p, max_new_tokens=40).token_ids for p in PROMPTS * 2] == reference
+    assert [r.token_ids for r in gen.generate(PROMPTS * 2, max_new_tokens=40)] == reference
+    assert stop.costs is not None and stop.trials.sum() > 0  # the head's chains were proposed and judged
+    gen.close()

@@ -52,6 +52,18 @@ def test_target_data_holds_the_engines_greedy_answers_and_resumes_where_it_stopp
         assert (top_ids[prompt_len - 1 : -1, 0] == tokens[prompt_len:-1]).all()  # greedy: each token the top one
     gen.close()
 
+    # a shard of another engine (features of another width) beside them is refused, naming it
+    from trtspec.training import DistillError
+
+    shards = sorted(tmp_path.glob("shard-*.npz"))
+    assert len(shards) == 2  # (the two runs': the data above came from both)
+    with np.load(shards[0]) as z:
+        parts = dict(z)
+    parts["features"] = parts["features"][:, :-8]
+    np.savez(tmp_path / "shard-99999.npz", **parts)
+    with pytest.raises(DistillError, match=r"shard-99999.npz: its features .* foreign or damaged shard"):
+        TargetData(tmp_path)
+
 
 def test_head_training_resumes_to_the_losses_of_an_uninterrupted_run(engine, tmp_path, monkeypatch):
     from trtspec.distill import eagle3_engine

@@ -407,11 +407,11 @@ def _add_distill(sub):
     p.add_argument("--heldout", nargs="+", help="held-out files or directories (default: 1 in 20 of --data's files)")
     p.add_argument("--pattern", default="*.py", help="file pattern in data directories")
     own = p.add_argument_group("eagle3 from a built engine: the engine answers requests and trains on its answers")
-    own.add_argument("--prompts", default="humaneval,chat,docstring,text",
-                     help="request sources, comma-separated: humaneval, chat, docstring, text (docs/distilling.md)")
+    own.add_argument("--prompts", default="humaneval,chat,docstring,completion,text",
+                     help="request sources, comma-separated (docs/distilling.md)")
     own.add_argument("--text", help="a plain-text file for the text source, e.g. botchan.txt (default: none, the "
                                     "text source left out)")
-    own.add_argument("--stdlib", help="a Python source tree for the docstring source (default: this Python's "
+    own.add_argument("--stdlib", help="a Python source tree for the docstring and completion sources (default: this Python's "
                                       "standard library)")
     own.add_argument("--data-dir", help="where the engine's answers are kept, resumable (default: OUT/.distill/data, "
                                         "removed when the head is written)")

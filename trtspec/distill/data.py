@@ -216,8 +216,8 @@ class TargetData:
         if not shards:
             raise DistillError(f"{path} holds no target data (shard-*.npz): write it first (trtspec distill "
                                "--method eagle3 with a built --target engine)")
-        names, variants, prompt_lens, tokens, features, top_ids, top_probs, offsets = [], [], [], [], [], [], [], [0]
-        for shard in shards:
+        names, variants, prompt_lens, tokens, offsets, rows = [], [], [], [], [0], []
+        for shard in shards:  # the small arrays first: the per-position ones fill arrays made once (no second copy)
             with np.load(shard) as z:
                 names += z["names"].tolist()
                 variants += z["variants"].tolist()
@@ -225,17 +225,26 @@ class TargetData:
                 tokens.append(z["tokens"])
                 o = z["offsets"]
                 offsets += (o[1:] + offsets[-1]).tolist()
-                features.append(z["features"])
-                top_ids.append(z["top_ids"])
-                top_probs.append(z["top_probs"])
+                rows.append(int(o[-1]) - (len(o) - 1))
+        arrays = {}
+        at = 0
+        for shard, n in zip(shards, rows):
+            with np.load(shard) as z:
+                for key in ("features", "top_ids", "top_probs"):
+                    part = z[key]
+                    if key not in arrays:
+                        arrays[key] = np.empty((sum(rows), *part.shape[1:]), part.dtype)
+                    if part.shape != (n, *arrays[key].shape[1:]):
+                        raise DistillError(f"{shard}: its {key} {part.shape} do not match its tokens or the other "
+                                           "shards' (a foreign or damaged shard: move it out of the directory)")
+                    arrays[key][at : at + n] = part
+            at += n
         self.names, self.variants = names, np.array(variants)
         self.prompt_lens = np.concatenate(prompt_lens)
         self.tokens = np.concatenate(tokens)
         self.offsets = np.array(offsets, np.int64)
         # per-position arrays have one row fewer a sequence than tokens: sequence i's rows start at offsets[i] - i
-        self.features = np.concatenate(features)
-        self.top_ids = np.concatenate(top_ids)
-        self.top_probs = np.concatenate(top_probs)
+        self.features, self.top_ids, self.top_probs = arrays["features"], arrays["top_ids"], arrays["top_probs"]
         if self.features.shape[0] != self.tokens.size - len(names):
             raise DistillError(f"{path}: the shards' features do not match their tokens (a foreign or damaged shard)")
 

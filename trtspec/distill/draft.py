@@ -165,7 +165,8 @@ def distill(target, out, data=None, *, method: str = "draft", heldout=None, patt
             dtype: str | None = None, bf16: bool = True, eval_prompts: int = 16, eval_k: int = 4,
             eval_tokens: int = 64, threads: int | None = None, checkpoint_every: int = 50,
             draft_vocab: int | None = None, ttt_steps: int | None = None, medusa_heads: int = 4,
-            prompts: str = "humaneval,chat,docstring,text", text: str | None = None, stdlib: str | None = None,
+            prompts: str = "humaneval,chat,docstring,completion,text", text: str | None = None,
+            stdlib: str | None = None,
             data_dir: str | None = None, data_tokens: int | None = None, samples: int = 0,
             max_new_tokens: int = 256, coverage: float = 0.97, device: str = "cpu",
             eval_every: int = 500, init: str | None = None) -> dict:

@@ -9,6 +9,8 @@ set can be kept out):
               chatterbot-corpus==1.3.3``)
   docstring   functions of a Python source tree (default: this interpreter's standard library) with a docstring,
               turned into "Write a Python function ..." requests
+  completion  the same tree's functions as HumanEval's problems are put: "Complete this Python function:" and the
+              function's own signature and docstring
   text        passages of a plain-text file (e.g. botchan.txt from the sentencepiece sdist), turned into
               "continue", "summarize" and "explain" requests
 
@@ -24,11 +26,12 @@ import hashlib
 import importlib.util
 import itertools
 import sysconfig
+import textwrap
 from pathlib import Path
 
 from ..training import DistillError
 
-SOURCES = ("humaneval", "chat", "docstring", "text")
+SOURCES = ("humaneval", "chat", "docstring", "completion", "text")
 HELDOUT_PER_WORKLOAD = 8
 
 
@@ -99,31 +102,57 @@ def _question_chats() -> list[tuple[str, list[dict]]]:
     return out
 
 
-def docstring_chats(root: Path | None = None, limit: int | None = None) -> list[tuple[str, list[dict]]]:
-    """Functions with a docstring of at least 60 characters under ``root`` (default: the standard library), each
-    "Write a Python function `name(args)` that ..." with the docstring's first paragraph."""
+def _documented_functions(root: Path | None):
+    """(path relative to root, source text, function node) of the public functions with a docstring under ``root``
+    (default: the standard library), test directories left out."""
     root = Path(root or sysconfig.get_paths()["stdlib"])
-    out = []
     for path in sorted(root.rglob("*.py")):
         if "site-packages" in path.parts or "test" in path.parts or "tests" in path.parts:
             continue
         try:
-            tree = ast.parse(path.read_text(encoding="utf-8"))
+            source = path.read_text(encoding="utf-8")
+            tree = ast.parse(source)
         except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
             continue
         for node in ast.walk(tree):
-            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("_"):
-                continue
-            doc = ast.get_docstring(node) or ""
-            first = " ".join(doc.split("\n\n")[0].split())
-            if len(first) < 60:
-                continue
-            args = ", ".join(a.arg for a in node.args.args if a.arg not in ("self", "cls"))
-            name = f"{path.relative_to(root)}:{node.name}:{node.lineno}"
-            out.append((name, [{"role": "user", "content": f"Write a Python function `{node.name}({args})` that "
-                                f"does the following:\n{first}"}]))
-            if limit is not None and len(out) >= limit:
-                return out
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not node.name.startswith("_") \
+                    and ast.get_docstring(node):
+                yield path.relative_to(root), source, node
+
+
+def docstring_chats(root: Path | None = None, limit: int | None = None) -> list[tuple[str, list[dict]]]:
+    """Functions with a docstring of at least 60 characters under ``root`` (default: the standard library), each
+    "Write a Python function `name(args)` that ..." with the docstring's first paragraph."""
+    out = []
+    for rel, _, node in _documented_functions(root):
+        first = " ".join(ast.get_docstring(node).split("\n\n")[0].split())
+        if len(first) < 60:
+            continue
+        args = ", ".join(a.arg for a in node.args.args if a.arg not in ("self", "cls"))
+        out.append((f"{rel}:{node.name}:{node.lineno}", [{"role": "user", "content": f"Write a Python function "
+                    f"`{node.name}({args})` that does the following:\n{first}"}]))
+        if limit is not None and len(out) >= limit:
+            break
+    return out
+
+
+def completion_chats(root: Path | None = None, limit: int | None = None,
+                     max_chars: int = 1500) -> list[tuple[str, list[dict]]]:
+    """Functions with a docstring of at least 30 characters under ``root`` (default: the standard library), each put
+    as HumanEval puts its problems: "Complete this Python function:" and the function's own lines from its ``def``
+    to the end of its docstring, dedented (at most ``max_chars`` of them)."""
+    out = []
+    for rel, source, node in _documented_functions(root):
+        if len(ast.get_docstring(node)) < 30:
+            continue
+        lines = source.splitlines()[node.lineno - 1 : node.body[0].end_lineno]
+        head = textwrap.dedent("\n".join(lines))
+        if len(head) > max_chars:
+            continue
+        out.append((f"{rel}:{node.name}:{node.lineno}",
+                    [{"role": "user", "content": "Complete this Python function:\n" + head + "\n"}]))
+        if limit is not None and len(out) >= limit:
+            break
     return out
 
 
@@ -162,6 +191,8 @@ def training_requests(sources=SOURCES, *, text: Path | None = None, stdlib: Path
             items = _question_chats()
         elif source == "docstring":
             items = docstring_chats(stdlib)
+        elif source == "completion":
+            items = completion_chats(stdlib)
         else:
             if text is None:
                 raise DistillError("the 'text' source needs a text file: --text FILE (e.g. botchan.txt)")

@@ -68,6 +68,8 @@ class Eagle3Drafter(Drafter):
         self.tree_width, self.tree_nodes = tree_width, tree_nodes
         self.max_call = head.max_call_tokens
         rows = head.max_batch
+        # None, or what ends each greedy row's chain where another draft no longer pays (auto.ConfidenceStop)
+        self.stop = None
         self.fed = np.zeros(rows, np.int64)  # verified pairs in the head's cache: positions [0, fed)
         self.known = np.zeros(rows, np.int64)  # positions whose target features are known: [0, known)
         self.history: list[np.ndarray | None] = [None] * rows  # per row: features [>= known, F], grown by doubling
@@ -179,7 +181,13 @@ class Eagle3Drafter(Drafter):
         drafts = np.zeros((b, k), np.int64)
         branches = [([], []) for _ in range(b)]
         plain = [not tree and samplers[r].plain and samplers[r].mode == "greedy" for r in range(b)]
+        stop = self.stop if self.stop is not None and all(plain) else None
+        confidence = np.ones((b, k), np.float64)  # the head's probability of each row's chain so far
         for j in range(k):
+            if stop is not None:  # the chain's probability: its tokens' probabilities under the head, multiplied
+                top = last.max(-1, keepdims=True)
+                p = 1.0 / np.exp(last - top).sum(-1)
+                confidence[:, j] = p * (confidence[:, j - 1] if j else 1.0)
             full = None if all(plain) else self._target_logits(last)
             for r in np.flatnonzero(counts > j):
                 if plain[r]:  # the argmax over the head's vocabulary, as a target id
@@ -194,8 +202,12 @@ class Eagle3Drafter(Drafter):
                     counts[r] = j
                     if tree:
                         del branches[r][0][-1], branches[r][1][-1]
+            if stop is not None and j + 1 < k:  # rows whose next draft is not worth its call end here
+                counts = np.where((counts > j + 1) & ~stop.extend(confidence[:, : j + 1], calls), j + 1, counts)
             if j + 1 < k:
                 active = counts > j + 1
+                if not active.any():
+                    break
                 # position n - 1 + j reads (own output at n - 2 + j, draft j); inactive rows write a pad past fed
                 pos = np.where(active, n - 1 + j, self.fed[:b])[:, None]
                 ids = np.where(active, drafts[:, j], self.pad_id)[:, None]
@@ -204,6 +216,8 @@ class Eagle3Drafter(Drafter):
                 calls.append((b, 1, time.perf_counter() - t0))
                 last = out[:, 0].copy()
                 hidden = self.engine.features[:, 0].copy()
+        if stop is not None:  # each row's drafts cut to the count with the most tokens expected per second
+            counts = stop.trim(confidence, counts, calls)
         if not tree:
             return Proposal(drafts, counts, None, calls)
         budget = self.tree_nodes or k * self.tree_width
