@@ -67,6 +67,34 @@ def test_distill_reduces_kl_and_writes_a_usable_draft(tmp_path, target, corpus):
     assert len(on_disk["loss_curve"]) >= 2 and on_disk["loss_curve"][-1]["loss"] < on_disk["loss_curve"][0]["loss"]
 
 
+def test_a_minutes_budget_is_timed_past_the_slow_first_steps(monkeypatch):
+    """The step count of a --minutes budget comes from the steps after the first two: a run whose first steps are
+    slow (its data touched for the first time) still trains for its budget, not for a fraction of it. (The loop's
+    clock is one that the batches move: 0.5 s for each of the first two steps, 1/64 s for each after.)"""
+    from trtspec import training
+
+    class Clock:
+        now = 0.0
+
+        def perf_counter(self):
+            return self.now
+
+    clock = Clock()
+    monkeypatch.setattr(training, "time", clock)
+    model = torch.nn.Module()
+    model.weight = torch.nn.Parameter(torch.ones(4))
+
+    def batches(step):
+        clock.now += 0.5 if step < 2 else 1 / 64
+
+    loop = TrainLoop(model, TrainConfig(minutes=0.025, batch=1, seq=1, lr=1e-3, seed=0, log_every=1000), None,
+                     log=lambda m: None)
+    seconds = loop.run(batches, lambda m, b, step: (m.weight ** 2).sum())
+    # 1.5 s at 1/64 s a step (the first five steps' mean, 0.21 s, would have made it 7 steps)
+    assert loop.total_steps == loop.step == 96
+    assert seconds == pytest.approx(2 * 0.5 + 94 / 64)
+
+
 def test_stopped_training_resumes_to_the_same_weights(tmp_path):
     tok = make_tokenizer()
     data = np.arange(5000, dtype=np.int32) % len(tok)

@@ -71,6 +71,9 @@ def bf16_supported() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+_UNTIMED_STEPS, _TIMED_STEPS = 2, 10  # a --minutes budget's step count: the time of steps 3 to 12
+
+
 def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
     warmup = max(1, round(total * cfg.warmup_fraction))
     if step < warmup:
@@ -179,9 +182,13 @@ class TrainLoop:
             steps_run += 1
             tokens_run += cfg.batch * cfg.seq
             self.seconds += time.perf_counter() - t0
-            if self.total_steps is None and steps_run == 5:
-                # a --minutes budget: fix the step count from the measured step time (then it is checkpointed)
-                per_step = self.seconds / self.step
+            if self.total_steps is None and steps_run == _UNTIMED_STEPS:
+                timed_from = (self.seconds, self.step)
+            if self.total_steps is None and steps_run == _UNTIMED_STEPS + _TIMED_STEPS:
+                # a --minutes budget: fix the step count from the measured step time (then it is checkpointed); the
+                # first steps are left out of it (a run's first touches of its data and allocations made them 1.6x
+                # as slow as the rest, and a 45-minute budget ran 27)
+                per_step = (self.seconds - timed_from[0]) / (self.step - timed_from[1])
                 self.total_steps = max(self.step + 1, int(cfg.minutes * 60 / per_step))
                 self.log(f"[{self.name}] {per_step:.2f} s/step: {cfg.minutes:g} min is {self.total_steps} steps")
             if self.step % cfg.log_every == 0 or self.step == self.total_steps or self.step == 1:
