@@ -205,7 +205,7 @@ class AutoDrafter(SuffixThenDraft):
     def accepted(self, valid):
         drafted = self._drafted
         if self._greedy and drafted:
-            got = [max(0, min(int(valid[r]) - length, m)) for r, length, m in drafted]
+            got = self._drafts_accepted(valid)
             for (r, _, _), g in zip(drafted, got):
                 self.stop.record(r, g)
             self._asked(sum(got) / len(got), sum(m for _, _, m in drafted) / len(drafted), self._round_s)

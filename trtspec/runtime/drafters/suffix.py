@@ -542,12 +542,15 @@ class SuffixThenDraft(Drafter):
                 probs[r, np.arange(int(counts[r])), drafts[r, : int(counts[r])]] = 1.0
         return Proposal(drafts, counts, probs, chains.calls, sources=sources)
 
+    def _drafts_accepted(self, valid) -> list[int]:
+        """How many of this round's model drafts each model row (``_drafted``'s order) had accepted."""
+        return [max(0, min(int(valid[r]) - length, m)) for r, length, m in self._drafted or ()]
+
     def accepted(self, valid):
         self.suffix.accepted(valid)
         self.fallback.accepted(valid)
         if self._drafted:
-            for r, length, m in self._drafted:
-                got = max(0, min(int(valid[r]) - length, m))
+            for (_, _, m), got in zip(self._drafted, self._drafts_accepted(valid)):
                 self.draft_accepted += got
                 self.draft_checked += got + (got < m)
             if self.draft_checked > 512:
