@@ -292,6 +292,13 @@ def test_attention_over_a_whole_cache_equals_the_cache_cut_to_the_rows_visible_s
         assert torch.equal(kernels.attention(q, k, v, mask, 0.125), expected), kernel_path
         cut = kernels.attention(q, k[:, :, 32:304], v[:, :, 32:304], mask[..., 32:304], 0.125)
         assert torch.equal(cut, expected), kernel_path
+        # the compiled step's call: the whole caches, the mask over their first (live) slots only
+        live = kernels.attention_rows_live(q, k, v, mask[..., :304].expand(1, 1, 4, 304).contiguous(), 0.125)
+        assert torch.equal(live, expected), kernel_path
+    assert torch.equal(kernels.torch_path.attention_rows(q, k, v, mask[..., :304].expand(1, 1, 4, 304), 0.125, 0.0),
+                       kernels.torch_path.attention_rows(q, k, v, mask.expand(1, 1, 4, 2048), 0.125, 0.0))
+    with pytest.raises(RuntimeError, match="S at least the mask's"):
+        kernels.attention_rows_live(q, k[:, :, :300], v[:, :, :300], mask[..., :304].expand(1, 1, 4, 304), 0.125)
 
 
 def test_attention_traces_with_torch_export():
@@ -307,6 +314,79 @@ def test_attention_traces_with_torch_export():
     assert any(n.target is torch.ops.trtspec.attention_rows.default for n in ep.graph.nodes)
     q2, _, _, mask2 = _attention_case(64, t=9, seed=4)
     assert torch.equal(ep.module()(q2, k, v, mask2), kernels.attention(q2, k, v, mask2, 0.125) + 1.0)
+
+
+# ---- the step's small ops: RMSNorm, a layer's q/k/v RoPE ------------------------------------------------------------
+
+def _hf_rms_norm(x, weight, eps):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    norm = LlamaRMSNorm(x.shape[-1], eps=eps)
+    norm.weight.data.copy_(weight)
+    with torch.no_grad():
+        return norm(x)
+
+
+@pytest.mark.parametrize("n", [576, 60, 7])
+def test_rms_norm_equals_hf_within_float32_rounding_and_each_row_its_own_bits(n):
+    """HF's LlamaRMSNorm within float32 rounding (the mean's sum is ordered differently), over rows of a size with a
+    tail after the 8 partial sums; a row computed alone, or among 40 (split between threads), has the same bits;
+    the pure-torch path (no compiler) is HF's own arithmetic."""
+    g = torch.Generator().manual_seed(0)
+    x, weight = torch.randn(2, 20, n, generator=g) * 3, torch.randn(n, generator=g)
+    out = kernels.rms_norm(x, weight, 1e-5)
+    expected = _hf_rms_norm(x, weight, 1e-5)
+    np.testing.assert_allclose(out, expected, rtol=2e-6, atol=1e-6)
+    assert not torch.equal(out, x)
+    for b, t in ((0, 0), (1, 13)):
+        assert torch.equal(kernels.rms_norm(x[b, t:t + 1], weight, 1e-5), out[b, t:t + 1])
+    assert torch.equal(kernels.torch_path.rms_norm(x, weight, 1e-5), expected)
+    with pytest.raises(RuntimeError, match="must agree"):
+        kernels.rms_norm(x, weight[:-1], 1e-5)
+
+
+def _hf_rope(x, cos, sin):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    return apply_rotary_pos_emb(x, x, cos, sin)[0]  # x [B, H, T, D], cos [B, T, D]
+
+
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (4, 4, 16), (2, 1, 128)])
+def test_rope_qkv_splits_and_rotates_q_and_k_exactly_as_hf(heads, kv_heads, d):
+    """q rotated in attention's layout [B, H, T, D], k rotated and v as they are in the cache writes' [B, T, Hkv, D];
+    HF's apply_rotary_pos_emb to the bit (the same products and sums); a row alone has its bits among 6 x 3."""
+    g = torch.Generator().manual_seed(1)
+    b, t = 3, 6
+    qkv = torch.randn(b, t, (heads + 2 * kv_heads) * d, generator=g)
+    angles = torch.randn(b, t, d // 2, generator=g) * 4
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    q, k, v = qkv.unflatten(-1, (heads + 2 * kv_heads, d)).split([heads, kv_heads, kv_heads], dim=2)
+    for impl in (kernels.rope_qkv, kernels.torch_path.rope_qkv):
+        rq, rk, rv = impl(qkv, cos, sin, heads, kv_heads)
+        assert rq.shape == (b, heads, t, d) and rk.shape == rv.shape == (b, t, kv_heads, d)
+        assert torch.equal(rq, _hf_rope(q.transpose(1, 2), cos, sin)), impl
+        assert torch.equal(rk, _hf_rope(k.transpose(1, 2), cos, sin).transpose(1, 2)), impl
+        assert torch.equal(rv, v), impl
+    alone = kernels.rope_qkv(qkv[2:, 4:5], cos[2:, 4:5], sin[2:, 4:5], heads, kv_heads)
+    assert torch.equal(alone[0], rq[2:, :, 4:5]) and torch.equal(alone[1], rk[2:, 4:5])
+    with pytest.raises(RuntimeError, match="heads \\+ 2 kv_heads"):
+        kernels.rope_qkv(qkv, cos, sin, heads + 1, kv_heads)
+
+
+def test_the_step_ops_trace_with_torch_export():
+    class Block(torch.nn.Module):
+        def forward(self, x, cos, sin, w):
+            q, k, v = kernels.rope_qkv(x, cos, sin, 2, 1)
+            return kernels.rms_norm(q, w, 1e-6), k + v
+
+    x, cos, sin, w = torch.randn(2, 3, 32), torch.randn(2, 3, 8), torch.randn(2, 3, 8), torch.randn(8)
+    tokens = torch.export.Dim("tokens", min=1, max=64)
+    ep = torch.export.export(Block(), (x, cos, sin, w), dynamic_shapes=({1: tokens}, {1: tokens}, {1: tokens}, None))
+    ops = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+    assert {"trtspec.rope_qkv.default", "trtspec.rms_norm.default"} <= ops
+    x5, c5, s5 = torch.randn(2, 5, 32), torch.randn(2, 5, 8), torch.randn(2, 5, 8)
+    for got, want in zip(ep.module()(x5, c5, s5, w), Block()(x5, c5, s5, w)):
+        assert torch.equal(got, want)
 
 
 def test_without_a_compiler_the_op_falls_back_to_torch_with_a_clear_message(tmp_path):

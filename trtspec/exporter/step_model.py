@@ -55,8 +55,30 @@ class FusedLinear(nn.Module):
         for n in names:
             delattr(module, n)
 
+    def whole(self, x):
+        """The outputs side by side, unsplit."""
+        return F.linear(x, self.weight, self.bias)
+
     def forward(self, x):
-        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        return self.whole(x).split(self.sizes, dim=-1)
+
+
+# HF's RMSNorms of the plain form weight * (x * rsqrt(mean(x^2) + eps)), which kernels.rms_norm computes
+PLAIN_RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Phi3RMSNorm")
+
+
+class NativeRMSNorm(nn.Module):
+    """An HF RMSNorm of the plain form (PLAIN_RMS_NORMS, float32) as trtspec's rms_norm op."""
+
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.weight = norm.weight
+        self.eps = float(norm.variance_epsilon)
+
+    def forward(self, x):
+        from .. import kernels
+
+        return kernels.rms_norm(x, self.weight, self.eps)
 
 
 def rowwise_attention(q, k, v, mask, scale: float, softcap: float | None = None):
@@ -64,10 +86,11 @@ def rowwise_attention(q, k, v, mask, scale: float, softcap: float | None = None)
     in a decode call and in a verify call (SDPA's matmuls order their sums by the call's size): trtspec's
     attention_rows op (kernels.attention), traced by torch.export and called by the compiled package.
 
-    q [B, H, T, D], k/v [B, Hkv, S, D], mask bool [B, 1, T, S] -> [B, H, T, D]"""
+    q [B, H, T, D], k/v [B, Hkv, S', D] (S' >= S: the op reads the first S slots), mask bool [B, 1, T, S]
+    -> [B, H, T, D]"""
     from .. import kernels
 
-    return kernels.attention(q, k, v, mask, scale, softcap)
+    return kernels.attention_rows_live(q, k, v, mask, scale, softcap)
 
 
 class StepModel(nn.Module):
@@ -80,7 +103,8 @@ class StepModel(nn.Module):
 
     def __init__(self, hf_model: nn.Module, spec: ArchSpec, max_seq_len: int, *, in_place_cache: bool = False,
                  cache_slots: list[int] | None = None, tree: bool = False, hidden_layers: list[int] | None = None,
-                 fuse_projections: bool | Callable = False, rowwise_attention: bool = False):
+                 fuse_projections: bool | Callable = False, rowwise_attention: bool = False,
+                 step_ops: bool = False):
         super().__init__()
         self.spec = spec
         # rowwise_attention: attention one query row at a time (rowwise_attention(): trtspec's attention_rows op),
@@ -139,6 +163,12 @@ class StepModel(nn.Module):
         if fuse_projections:
             self._fuse_projections(FusedLinear if fuse_projections is True else fuse_projections)
         self.register_buffer("slots", torch.arange(max_seq_len), persistent=False)
+        # step_ops (the torch backend's GGUF builds, which have trtspec's native library): each plain RMSNorm, and a
+        # layer's q/k/v split, RoPE and layout, as one op each (kernels.rms_norm, kernels.rope_qkv) where the traced
+        # step had about 10 and 25: the build traces, lowers and compiles that many fewer (csrc/step_ops.cpp)
+        self.native_rope = [False] * spec.num_layers
+        if step_ops and spec.family != "gpt2" and dtype == torch.float32:
+            self._use_step_ops()
         for n in set(self.cache_slots) - {max_seq_len}:
             self.register_buffer(f"ring_slots_{n}", torch.arange(n), persistent=False)
 
@@ -160,6 +190,28 @@ class StepModel(nn.Module):
                                                                               "act_fn"}:
                 if (fused := fuse(mlp, ("gate_proj", "up_proj"))) is not None:
                     self.fused[f"gate_up_{i}"] = fused
+
+    def _use_step_ops(self):
+        def native(norm):
+            return NativeRMSNorm(norm) if type(norm).__name__ in PLAIN_RMS_NORMS else norm
+
+        for layer in self.layers:
+            layer.input_layernorm = native(layer.input_layernorm)
+            layer.post_attention_layernorm = native(layer.post_attention_layernorm)
+        self.final_norm = native(self.final_norm)
+        full_rotary = self.rope_cos.shape[-1] == self.spec.head_dim
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            separate = all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj"))
+            self.native_rope[i] = (self.in_place_cache and full_rotary and not hasattr(attn, "q_norm")
+                                   and (f"qkv_{i}" in self.fused or separate))
+
+    def _qkv(self, i, attn, x):
+        """Layer i's q, k and v projections side by side [B, T, (H + 2 Hkv) D]."""
+        fused = self.fused[f"qkv_{i}"] if f"qkv_{i}" in self.fused else None
+        if fused is not None and hasattr(fused, "whole"):
+            return fused.whole(x)
+        return torch.cat(fused(x) if fused is not None else (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)), dim=-1)
 
     def mlp(self, i, layer, x):
         if f"gate_up_{i}" not in self.fused:
@@ -219,6 +271,11 @@ class StepModel(nn.Module):
             k = k.unflatten(-1, (spec.num_kv_heads, spec.head_dim)).transpose(1, 2)
             v = v.unflatten(-1, (spec.num_kv_heads, spec.head_dim)).transpose(1, 2)
             out_proj = attn.c_proj
+        elif self.native_rope[i]:  # rope: the rows' cos, sin [B, T, D]; k_rows, v_rows [B, T, Hkv, D]
+            from .. import kernels
+
+            attn, out_proj = layer.self_attn, layer.self_attn.o_proj
+            q, k_rows, v_rows = kernels.rope_qkv(self._qkv(i, attn, x), *rope, spec.num_heads, spec.num_kv_heads)
         else:
             attn = layer.self_attn
             if hasattr(attn, "qkv_proj"):  # Phi-3: one fused projection, split in q, k, v order
@@ -240,10 +297,13 @@ class StepModel(nn.Module):
             # an indexed store that inductor sees (and fuses with RoPE), not an opaque op: an opaque write cost
             # 4 kernels per cache per layer, a large share of a decode step on a GPU
             rows, slots = writes[self.cache_slots[i]]
-            past_key[rows, :, slots] = k.transpose(1, 2)  # [B, T, Hkv, D] at each row's slots
-            past_value[rows, :, slots] = v.transpose(1, 2)
+            if not self.native_rope[i]:
+                k_rows, v_rows = k.transpose(1, 2), v.transpose(1, 2)
+            past_key[rows, :, slots] = k_rows  # [B, T, Hkv, D] at each row's slots
+            past_value[rows, :, slots] = v_rows
             present_key, present_value = past_key, past_value
-            if live is not None and self.cache_slots[i] == self.max_seq_len:
+            # (the rowwise op reads the mask's first `live` slots of the whole caches itself: nothing to trace)
+            if live is not None and self.cache_slots[i] == self.max_seq_len and not self.rowwise:
                 past_key, past_value = past_key[:, :, :live], past_value[:, :, :live]
         elif self.cache_slots[i] < self.max_seq_len:
             present_key = kv_cache_write_ring(past_key, k, writes)
@@ -295,8 +355,10 @@ class StepModel(nn.Module):
         if self.pos_embed is not None:
             h = h + self.pos_embed(position_ids)
         else:  # [B, 1, T, D] per table
-            ropes = [(F.embedding(position_ids, getattr(self, cos))[:, None],
-                      F.embedding(position_ids, getattr(self, sin))[:, None]) for cos, sin in self.rope_names]
+            # [B, T, D] per table (rope_qkv's), and [B, 1, T, D] for the heads' [B, H, T, D]
+            rows_rope = [(F.embedding(position_ids, getattr(self, cos)), F.embedding(position_ids, getattr(self, sin)))
+                         for cos, sin in self.rope_names]
+            ropes = [(cos[:, None], sin[:, None]) for cos, sin in rows_rope]
         present, hidden = [], {}
         for i, layer in enumerate(self.layers):
             if i in self.hidden_layers:  # HF's hidden_states[i]: the input of layer i
@@ -305,7 +367,7 @@ class StepModel(nn.Module):
                 norm1, norm2 = layer.ln_1, layer.ln_2
             else:
                 norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
-                rope = ropes[self.rope_table[i]]
+                rope = (rows_rope if self.native_rope[i] else ropes)[self.rope_table[i]]
             a, key, value = self.attention(
                 i, layer, norm1(h), rope, masks[self.mask_keys[i]], past[2 * i], past[2 * i + 1], writes, live
             )

@@ -27,8 +27,8 @@ from . import build, torch_path
 from .blocks import TYPES, Blocks, decode, dequantize
 from .layout import Packed, pack, unpack
 
-__all__ = ["TYPES", "Blocks", "Packed", "decode", "dequantize", "pack", "unpack", "load", "linear", "attention",
-           "status", "paths", "use_path", "c_shims"]
+__all__ = ["TYPES", "Blocks", "Packed", "decode", "dequantize", "pack", "unpack", "load", "linear", "attention", "attention_rows_live",
+           "rms_norm", "rope_qkv", "status", "paths", "use_path", "c_shims"]
 
 _status: dict = {}
 
@@ -53,6 +53,8 @@ def load(progress=sys.stderr) -> str:
         _status.update(backend="torch", reason=str(e))
     torch.library.register_fake("trtspec::gguf_linear")(_fake)
     torch.library.register_fake("trtspec::attention_rows")(_attention_fake)
+    torch.library.register_fake("trtspec::rms_norm")(_rms_norm_fake)
+    torch.library.register_fake("trtspec::rope_qkv")(_rope_qkv_fake)
     forced = os.environ.get("TRTSPEC_KERNEL_PATH")
     if forced and _status["backend"] == "native":
         runs = list(torch.ops.trtspec.gguf_kernel_paths())
@@ -77,6 +79,12 @@ def c_shims() -> dict:
         torch.ops.trtspec.attention_rows.default: [
             "AOTITorchError aoti_torch_cpu_attention_rows(AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v, "
             "AtenTensorHandle mask, double scale, double softcap, AtenTensorHandle* ret0)"],
+        torch.ops.trtspec.rms_norm.default: [
+            "AOTITorchError aoti_torch_cpu_rms_norm(AtenTensorHandle x, AtenTensorHandle weight, double eps, "
+            "AtenTensorHandle* ret0)"],
+        torch.ops.trtspec.rope_qkv.default: [
+            "AOTITorchError aoti_torch_cpu_rope_qkv(AtenTensorHandle qkv, AtenTensorHandle cos, AtenTensorHandle sin, "
+            "int64_t heads, int64_t kv_heads, AtenTensorHandle* ret0, AtenTensorHandle* ret1, AtenTensorHandle* ret2)"],
     }
 
 
@@ -89,15 +97,47 @@ def _attention_fake(q, k, v, mask, scale, softcap):
     return q.new_empty(q.shape)
 
 
+def _rms_norm_fake(x, weight, eps):
+    return x.new_empty(x.shape)
+
+
+def _rope_qkv_fake(qkv, cos, sin, heads, kv_heads):
+    b, t, d = qkv.shape[0], qkv.shape[1], cos.shape[-1]
+    return qkv.new_empty((b, heads, t, d)), qkv.new_empty((b, t, kv_heads, d)), qkv.new_empty((b, t, kv_heads, d))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * (x * rsqrt(mean(x^2, -1) + eps)) in float32 (HF's LlamaRMSNorm), one row at a time in a fixed
+    order (csrc/step_ops.cpp): one traced op where HF's module is ten."""
+    load()
+    return torch.ops.trtspec.rms_norm(x, weight, eps)
+
+
+def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int):
+    """A layer's fused projection [B, T, (H + 2 Hkv) D] and its rows' RoPE tables [B, T, D] -> q [B, H, T, D] and
+    k [B, T, Hkv, D] rotated (HF's rotate_half form), v [B, T, Hkv, D] (csrc/step_ops.cpp)."""
+    load()
+    return torch.ops.trtspec.rope_qkv(qkv, cos, sin, heads, kv_heads)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
               softcap: float | None = None) -> torch.Tensor:
     """softmax(q k^T * scale [soft-capped], where mask) v, one query row at a time in an order fixed per row: a
     row's result is the same bits whatever the call's number of rows (csrc/attention_rows.h).
 
     q [B, H, T, D] float32; k, v [B, Hkv, S, D] (a KV cache cut to its live slots), H a multiple of Hkv; mask
-    bool, broadcastable to [B, 1, T, S] -> [B, H, T, D]."""
+    bool, broadcastable to [B, 1, T, S] -> [B, H, T, D]. The op itself also takes a whole cache and a mask
+    [B, 1, T, S] over its first S slots (attention_rows_live)."""
     load()
     mask = mask.expand(q.shape[0], 1, q.shape[2], k.shape[2])
+    return torch.ops.trtspec.attention_rows(q, k, v, mask, scale, softcap or 0.0)
+
+
+def attention_rows_live(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                        softcap: float | None = None) -> torch.Tensor:
+    """attention() over the first S slots of whole caches k, v [B, Hkv, S_max, D], mask bool [B, 1, T, S] in full
+    (not broadcast): the op alone, no cut views or expand to trace (the compiled step's attention)."""
+    load()
     return torch.ops.trtspec.attention_rows(q, k, v, mask, scale, softcap or 0.0)
 
 

@@ -17,6 +17,9 @@ from . import layout
 SCHEMA = ("gguf_linear(Tensor x, Tensor packed, int n, int k, int bits, int group, int zero, bool has_min, "
           "bool half_scales, bool int8_activations) -> Tensor")
 ATTENTION_SCHEMA = "attention_rows(Tensor q, Tensor k, Tensor v, Tensor mask, float scale, float softcap) -> Tensor"
+STEP_SCHEMAS = {"rms_norm": "rms_norm(Tensor x, Tensor weight, float eps) -> Tensor",
+                "rope_qkv": "rope_qkv(Tensor qkv, Tensor cos, Tensor sin, int heads, int kv_heads) -> "
+                            "(Tensor, Tensor, Tensor)"}
 _library = None
 
 
@@ -61,7 +64,8 @@ def gguf_linear(x, packed, n, k, bits, group, zero, has_min, half_scales, int8_a
 def attention_rows(q, k, v, mask, scale, softcap):
     # the compiled op's (csrc/attention_rows.h) in plain torch: products and sums, so a row's result does not
     # depend on the call's rows either (not the same bits as the compiled op's)
-    hkv = k.shape[1]
+    hkv, s = k.shape[1], mask.shape[-1]
+    k, v = k[:, :, :s], v[:, :, :s]  # the slots the mask covers (a cache's live ones)
     q5 = q.unflatten(1, (hkv, q.shape[1] // hkv))  # [B, Hkv, G, T, D]: a group of query heads per key head
     scores = (q5[..., None, :] * k[:, :, None, None]).sum(-1) * scale  # [B, Hkv, G, T, S]
     if softcap:
@@ -70,8 +74,24 @@ def attention_rows(q, k, v, mask, scale, softcap):
     return (probs[..., None] * v[:, :, None, None]).sum(-2).flatten(1, 2)
 
 
+def rms_norm(x, weight, eps):
+    # csrc/step_ops.cpp's in plain torch (HF's LlamaRMSNorm; torch's own order of the mean's sum)
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def rope_qkv(qkv, cos, sin, heads, kv_heads):
+    d = cos.shape[-1]
+    q, k, v = qkv.unflatten(-1, (heads + 2 * kv_heads, d)).split([heads, kv_heads, kv_heads], dim=2)
+    cos, sin = cos[:, :, None], sin[:, :, None]
+
+    def rotate(x):
+        return x * cos + torch.cat((-x[..., d // 2:], x[..., : d // 2]), dim=-1) * sin
+
+    return rotate(q).transpose(1, 2).contiguous(), rotate(k).contiguous(), v.contiguous()
+
+
 def register() -> None:
-    """Define torch.ops.trtspec.gguf_linear, attention_rows (and the path ops) in Python."""
+    """Define torch.ops.trtspec.gguf_linear, attention_rows, rms_norm, rope_qkv (and the path ops) in Python."""
     global _library
     if _library is not None:
         return
@@ -80,6 +100,9 @@ def register() -> None:
     _library.impl("gguf_linear", gguf_linear, "CPU")
     _library.define(ATTENTION_SCHEMA)
     _library.impl("attention_rows", attention_rows, "CPU")
+    for name, schema in STEP_SCHEMAS.items():
+        _library.define(schema)
+        _library.impl(name, globals()[name], "CPU")
     _library.define("gguf_kernel_path(str name='') -> str")
     _library.impl("gguf_kernel_path", _path, "CompositeImplicitAutograd")
     _library.define("gguf_kernel_paths() -> str[]")

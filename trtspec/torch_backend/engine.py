@@ -193,7 +193,8 @@ def step_module(source, *, device: str, functional_cache: bool = False, weights:
     weights "gguf": the linear layers run our kernels on the file's own blocks (torch_backend/gguf.py).
     ``rowwise`` (compiled engines only): each row's result the same bits whatever the call's size, for builds that
     round activations: exporter.step_model.rowwise_attention instead of SDPA, and RowwiseLinear for the layers
-    left in float beside the kernels."""
+    left in float beside the kernels. GGUF weights also run the step's small ops of trtspec's library (RMSNorm,
+    q/k/v RoPE: exporter.step_model's step_ops), which cut what a build traces and compiles."""
     from ..exporter.step_model import StepModel
 
     model = source.manifest["model"]
@@ -213,7 +214,7 @@ def step_module(source, *, device: str, functional_cache: bool = False, weights:
                      cache_slots=model["cache_slots"], tree=bool(model.get("tree_verify")),
                      hidden_layers=features.get("layers"),
                      fuse_projections=not functional_cache and (True if gguf is None else fuse_gguf),
-                     rowwise_attention=rowwise)
+                     rowwise_attention=rowwise, step_ops=gguf is not None)
     return step.eval().to(device), gguf
 
 

@@ -62,8 +62,12 @@ class FusedGGUFLinear(GGUFLinear):
         for n in names:
             delattr(module, n)
 
+    def whole(self, x):
+        """The layers' outputs side by side, unsplit."""
+        return super().forward(x)
+
     def forward(self, x):
-        return super().forward(x).split(self.sizes, dim=-1)
+        return self.whole(x).split(self.sizes, dim=-1)
 
 
 def fuse_gguf(module: nn.Module, names: tuple[str, ...]) -> FusedGGUFLinear | None:

@@ -193,23 +193,24 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
 }
 
 // torch.ops.trtspec.attention_rows: softmax(q k^T * scale [soft-capped], masked) v per query row, in an order
-// fixed per row (attention_rows.h). q [B, H, T, D]; k, v [B, Hkv, S, D] with unit stride along D and D along S
-// (a KV cache cut to its live slots: any batch and head strides); mask bool [B, 1, T, S] (broadcast strides
-// allowed) -> [B, H, T, D]. Rows are split between threads, never a row's keys.
+// fixed per row (attention_rows.h). q [B, H, T, D]; k, v [B, Hkv, S', D] with unit stride along D and D along S'
+// (a KV cache: any batch and head strides), of which the first S = mask.size(3) slots are read (the live ones: no
+// cut view of the cache to trace); mask bool [B, 1, T, S] (broadcast strides allowed) -> [B, H, T, D]. Rows are split
+// between threads, never a row's keys.
 at::Tensor attention_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
                           double scale, double softcap) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
               "attention_rows: q, k and v must be float32");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && mask.dim() == 4,
               "attention_rows: q, k, v and mask must be 4-d ([B, H, T, D], [B, Hkv, S, D], [B, 1, T, S])");
-  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), Hkv = k.size(1), S = k.size(2);
-  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == B && k.size(3) == D && Hkv > 0 && H % Hkv == 0,
-              "attention_rows: k and v must be [B, Hkv, S, D] with H a multiple of Hkv; got q ", q.sizes(), ", k ",
-              k.sizes(), ", v ", v.sizes());
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), Hkv = k.size(1), S = mask.size(3);
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == B && k.size(3) == D && Hkv > 0 && H % Hkv == 0 &&
+              k.size(2) >= S, "attention_rows: k and v must be [B, Hkv, S, D] with H a multiple of Hkv and S at least "
+              "the mask's; got q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes(), ", mask ", mask.sizes());
   TORCH_CHECK(k.stride(3) == 1 && k.stride(2) == D && v.stride(3) == 1 && v.stride(2) == D,
               "attention_rows: k and v must be contiguous along S and D");
-  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.size(0) == B && mask.size(1) == 1 && mask.size(2) == T &&
-              mask.size(3) == S, "attention_rows: mask must be bool [B, 1, T, S], got ", mask.sizes());
+  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.size(0) == B && mask.size(1) == 1 && mask.size(2) == T,
+              "attention_rows: mask must be bool [B, 1, T, S], got ", mask.sizes());
   const at::Tensor qc = q.contiguous();
   at::Tensor out = at::empty({B, H, T, D}, q.options());
   if (out.numel() == 0) return out;

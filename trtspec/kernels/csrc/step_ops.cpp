@@ -1,0 +1,140 @@
+// The step's small ops around the GGUF kernels, one op each where the traced step had ten (an RMSNorm: casts, a
+// power, a mean, an add, a reciprocal square root, two products) or thirty (a layer's q/k/v split, RoPE on q and k,
+// their transposes): torch.export, AOTInductor's second trace, its lowering and its C++ wrapper all cost per traced
+// op, so an engine built with these compiles in about half the time (docs/kernels.md, "What it costs to build").
+//
+// Each row is computed alone, in an order fixed per row, so a row's result does not depend on the call's number of
+// rows or threads (what the int8 activations' rounding needs of every op before it). Float32, in the operations'
+// order of HF's modules (no fused multiply-adds: build.py compiles with -ffp-contract=off).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <tuple>
+
+namespace trtspec_step {
+namespace {
+
+// rows per task: a decode call's one row, or a verify call's few, stays on the calling thread
+constexpr int64_t kRowsGrain = 16;
+
+// torch.ops.trtspec.rms_norm: x [..., N] -> weight * (x * rsqrt(mean(x^2) + eps)), HF's LlamaRMSNorm in float32.
+// The mean's sum: 8 partial sums s_j = x[j]^2 + x[8 + j]^2 + ..., added pairwise, then the tail in order.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
+              "rms_norm: x and weight must be float32, got ", x.scalar_type(), " and ", weight.scalar_type());
+  TORCH_CHECK(x.dim() >= 1 && weight.dim() == 1 && x.size(-1) == weight.size(0),
+              "rms_norm: x [..., N] and weight [N] must agree, got ", x.sizes(), " and ", weight.sizes());
+  const int64_t n = weight.size(0), rows = n ? x.numel() / n : 0;
+  const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = wc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, rows, kRowsGrain, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* xr = xp + r * n;
+      float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      const int64_t body = n / 8 * 8;
+      for (int64_t i = 0; i < body; i += 8)
+        for (int j = 0; j < 8; ++j) s[j] += xr[i + j] * xr[i + j];
+      float sum = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+      for (int64_t i = body; i < n; ++i) sum += xr[i] * xr[i];
+      const float inv = 1.0f / std::sqrt(sum / static_cast<float>(n) + e);
+      float* o = op + r * n;
+      for (int64_t i = 0; i < n; ++i) o[i] = wp[i] * (xr[i] * inv);
+    }
+  });
+  return out;
+}
+
+// torch.ops.trtspec.rope_qkv: a layer's fused projection qkv [B, T, (H + 2 Hkv) D] (q, then k, then v) and the
+// rows' RoPE tables cos, sin [B, T, D] -> q [B, H, T, D] (attention_rows' layout) and k, v [B, T, Hkv, D] (the
+// cache writes' values), q and k rotated: x * cos + rotate_half(x) * sin, rotate_half(x) = (-x[D/2:], x[:D/2]).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_qkv(const at::Tensor& qkv, const at::Tensor& cos,
+                                                        const at::Tensor& sin, int64_t heads, int64_t kv_heads) {
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+              "rope_qkv: qkv, cos and sin must be float32");
+  TORCH_CHECK(qkv.dim() == 3 && cos.dim() == 3 && cos.sizes() == sin.sizes(),
+              "rope_qkv: qkv must be [B, T, (H + 2 Hkv) D] and cos, sin [B, T, D]; got ", qkv.sizes(), ", ",
+              cos.sizes(), ", ", sin.sizes());
+  const int64_t B = qkv.size(0), T = qkv.size(1), D = cos.size(2);
+  TORCH_CHECK(heads > 0 && kv_heads > 0 && D % 2 == 0 && cos.size(0) == B && cos.size(1) == T &&
+              qkv.size(2) == (heads + 2 * kv_heads) * D,
+              "rope_qkv: qkv's last dimension must be (heads + 2 kv_heads) * D with D even; got qkv ", qkv.sizes(),
+              ", cos ", cos.sizes(), ", heads ", heads, ", kv_heads ", kv_heads);
+  const at::Tensor xc = qkv.contiguous(), cc = cos.contiguous(), sc = sin.contiguous();
+  at::Tensor q = at::empty({B, heads, T, D}, qkv.options());
+  at::Tensor k = at::empty({B, T, kv_heads, D}, qkv.options());
+  at::Tensor v = at::empty({B, T, kv_heads, D}, qkv.options());
+  const float* xp = xc.data_ptr<float>();
+  const float* cp = cc.data_ptr<float>();
+  const float* sp = sc.data_ptr<float>();
+  float* qp = q.data_ptr<float>();
+  float* kp = k.data_ptr<float>();
+  float* vp = v.data_ptr<float>();
+  const int64_t width = (heads + 2 * kv_heads) * D, half = D / 2;
+  auto rotate = [&](const float* x, const float* c, const float* s, float* o) {
+    for (int64_t d = 0; d < half; ++d) o[d] = x[d] * c[d] + -x[d + half] * s[d];
+    for (int64_t d = half; d < D; ++d) o[d] = x[d] * c[d] + x[d - half] * s[d];
+  };
+  at::parallel_for(0, B * T, kRowsGrain, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t b = r / T, t = r % T;
+      const float* x = xp + r * width;
+      const float* c = cp + r * D;
+      const float* s = sp + r * D;
+      for (int64_t h = 0; h < heads; ++h) rotate(x + h * D, c, s, qp + ((b * heads + h) * T + t) * D);
+      for (int64_t h = 0; h < kv_heads; ++h) rotate(x + (heads + h) * D, c, s, kp + (r * kv_heads + h) * D);
+      const float* xv = x + (heads + kv_heads) * D;
+      std::copy(xv, xv + kv_heads * D, vp + r * kv_heads * D);
+    }
+  });
+  return {q, k, v};
+}
+
+}  // namespace
+}  // namespace trtspec_step
+
+TORCH_LIBRARY_FRAGMENT(trtspec, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("rope_qkv(Tensor qkv, Tensor cos, Tensor sin, int heads, int kv_heads) -> (Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(trtspec, CPU, m) {
+  m.impl("rms_norm", &trtspec_step::rms_norm);
+  m.impl("rope_qkv", &trtspec_step::rope_qkv);
+}
+
+// C shims for AOTInductor (as ops.cpp's): the schemas' arguments, then a handle for each output.
+#include <torch/csrc/inductor/aoti_torch/utils.h>
+
+extern "C" {
+
+__attribute__((visibility("default"))) AOTITorchError aoti_torch_cpu_rms_norm(AtenTensorHandle x,
+                                                                              AtenTensorHandle weight, double eps,
+                                                                              AtenTensorHandle* ret0) {
+  using torch::aot_inductor::tensor_handle_to_tensor_pointer;
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    *ret0 = torch::aot_inductor::new_tensor_handle(
+        trtspec_step::rms_norm(*tensor_handle_to_tensor_pointer(x), *tensor_handle_to_tensor_pointer(weight), eps));
+  });
+}
+
+__attribute__((visibility("default"))) AOTITorchError aoti_torch_cpu_rope_qkv(
+    AtenTensorHandle qkv, AtenTensorHandle cos, AtenTensorHandle sin, int64_t heads, int64_t kv_heads,
+    AtenTensorHandle* ret0, AtenTensorHandle* ret1, AtenTensorHandle* ret2) {
+  using torch::aot_inductor::tensor_handle_to_tensor_pointer;
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    auto [q, k, v] = trtspec_step::rope_qkv(*tensor_handle_to_tensor_pointer(qkv), *tensor_handle_to_tensor_pointer(cos),
+                                            *tensor_handle_to_tensor_pointer(sin), heads, kv_heads);
+    *ret0 = torch::aot_inductor::new_tensor_handle(std::move(q));
+    *ret1 = torch::aot_inductor::new_tensor_handle(std::move(k));
+    *ret2 = torch::aot_inductor::new_tensor_handle(std::move(v));
+  });
+}
+
+}  // extern "C"
