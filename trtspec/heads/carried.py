@@ -23,10 +23,10 @@ log = logging.getLogger("trtspec.build")
 WEIGHT_BITS = 8  # the carried head's matrices in 8-bit blocks: a head call costs what it reads (heads/export.py)
 
 
-def carry_head(head, engine_tmp: Path, manifest: dict, model_path) -> dict:
+def carry_head(head, engine_tmp: Path, manifest: dict, model_path, embedding=None) -> dict:
     """Make the head for the engine being written in ``engine_tmp`` (its manifest not yet on disk) in
-    ``engine_tmp/head``, its matrices in 8-bit blocks, the head's embedding (when it has none) from
-    ``model_path``; -> the manifest's ``head``."""
+    ``engine_tmp/head``, its matrices in 8-bit blocks, the head's embedding (when it has none) ``embedding``, the
+    target's as the build loaded it, or read from ``model_path``; -> the manifest's ``head``."""
     import json
 
     from .. import kernels
@@ -39,14 +39,15 @@ def carry_head(head, engine_tmp: Path, manifest: dict, model_path) -> dict:
     else:
         why = f"trtspec's kernels could not be built here ({kernels.status().get('reason')})"
     if why is None:
-        compile_head_for(head, where, target=engine_tmp, target_manifest=manifest, target_model=model_path)
+        compile_head_for(head, where, target=engine_tmp, target_manifest=manifest, target_model=model_path,
+                         embedding=embedding)
         form = "compiled"
     else:
         from .export import export_head_for
 
         log.warning("the EAGLE-3 head runs on onnxruntime, not compiled: %s", why)
         export_head_for(head, where, target=engine_tmp, target_manifest=manifest, target_model=model_path,
-                        weight_bits=WEIGHT_BITS)
+                        weight_bits=WEIGHT_BITS, embedding=embedding)
         form = "onnxruntime"
     log.info("carried the EAGLE-3 head %s in %s/ (%s)", head, HEAD_DIR, form)
     return {"kind": "eagle3", "path": HEAD_DIR, "source": str(Path(head).resolve()), "form": form}

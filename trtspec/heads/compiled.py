@@ -141,7 +141,8 @@ def compile_head(head, config, package: Path, *, max_seq_len: int, max_batch: in
     return time.perf_counter() - t0
 
 
-def compile_head_for(head_dir, out_dir, *, target, target_manifest: dict, target_model=None) -> Path:
+def compile_head_for(head_dir, out_dir, *, target, target_manifest: dict, target_model=None,
+                     embedding=None) -> Path:
     """The head in ``head_dir`` compiled for the target (an engine being written: its manifest given) into the
     engine artifact ``out_dir`` (backend torch), which the runtime loads as it loads any torch engine."""
     import torch
@@ -152,7 +153,7 @@ def compile_head_for(head_dir, out_dir, *, target, target_manifest: dict, target
 
     t0 = time.perf_counter()
     target, out_dir = Path(target), Path(out_dir)
-    head, config, layers = checked_head(head_dir, target, target_manifest, target_model)
+    head, config, layers = checked_head(head_dir, target, target_manifest, target_model, embedding)
     head = head.float().eval()
     model = target_manifest["model"]
     section = head_section(head, config, model, layers, model["max_seq_len"], model["max_batch"])

@@ -228,10 +228,11 @@ def make_head(config: Eagle3Config):
     return Eagle3Head()
 
 
-def load_head(path, target_dir=None):
+def load_head(path, target_dir=None, embedding=None):
     """A head directory (this layout, or the EAGLE authors' released one) -> (Eagle3Head, Eagle3Config).
 
-    Without embed_tokens in the checkpoint the target's embedding is loaded from ``target_dir``."""
+    Without embed_tokens in the checkpoint the head takes the target's embedding: ``embedding`` (a build that has
+    the target loaded already), else loaded from ``target_dir``."""
     import torch
 
     path = Path(path)
@@ -244,7 +245,9 @@ def load_head(path, target_dir=None):
                if k not in state]
     if missing:
         raise ArtifactError(f"{path} is not an EAGLE-3 head: {', '.join(missing)} missing from its weights")
-    if "embed_tokens.weight" not in state:
+    if "embed_tokens.weight" not in state and embedding is not None:
+        state["embed_tokens.weight"] = embedding
+    elif "embed_tokens.weight" not in state:
         if target_dir is None:
             raise ArtifactError(f"{path} has no embed_tokens.weight of its own, so it takes the target's embedding, "
                                 "and the target's HF model directory is unknown (not recorded, moved or deleted): "

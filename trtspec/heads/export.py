@@ -97,15 +97,16 @@ def _model_dir(manifest: dict) -> Path | None:
     return path if (path / "config.json").is_file() or find_gguf(path) is not None else None
 
 
-def checked_head(head_dir, target: Path, target_manifest: dict, target_model=None):
+def checked_head(head_dir, target: Path, target_manifest: dict, target_model=None, embedding=None):
     """The head in ``head_dir`` loaded for the target (its export or engine, with its manifest) -> (head, config,
-    the target layers it reads); refused when the target lacks those features or is another model."""
+    the target layers it reads); refused when the target lacks those features or is another model. ``embedding``:
+    the target's, where the caller has it loaded (else read from the target's model when the head has none)."""
     from .eagle3 import default_layers, load_head
 
     model = target_manifest["model"]
     if model.get("head"):
         raise ArtifactError(f"{target} is a draft head, not a target model")
-    head, config = load_head(head_dir, target_dir=target_model or _model_dir(target_manifest))
+    head, config = load_head(head_dir, target_dir=target_model or _model_dir(target_manifest), embedding=embedding)
     layers = config.target_layers or default_layers(model["num_layers"])
     feature_columns(model, layers, config.target_hidden_size, "the EAGLE-3 head")  # refuses a target without them
     if config.vocab_size != model["vocab_size"]:
@@ -154,7 +155,8 @@ def export_head(head_dir, out_dir, *, target, target_model=None, max_seq_len: in
 
 
 def export_head_for(head_dir, out_dir, *, target, target_manifest: dict, target_model=None,
-                    max_seq_len: int | None = None, max_batch: int | None = None, weight_bits: int | None = None) -> Path:
+                    max_seq_len: int | None = None, max_batch: int | None = None, weight_bits: int | None = None,
+                    embedding=None) -> Path:
     """export_head for a target given with its manifest (heads/carried.py: an engine being written, whose
     manifest is not on disk yet). ``weight_bits`` 8 or 4: the head's matrices (its lm_head included) as
     onnxruntime's MatMulNBits, blocks of 32, symmetric, int8 activations (a head call reads its weights, so this
@@ -167,7 +169,7 @@ def export_head_for(head_dir, out_dir, *, target, target_manifest: dict, target_
 
     t0 = time.perf_counter()
     target, out_dir = Path(target), Path(out_dir)
-    head, config, layers = checked_head(head_dir, target, target_manifest, target_model)
+    head, config, layers = checked_head(head_dir, target, target_manifest, target_model, embedding)
     model = target_manifest["model"]
     max_seq_len = max_seq_len or model["max_seq_len"]
     max_batch = max_batch or model["max_batch"]

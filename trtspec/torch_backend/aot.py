@@ -238,6 +238,8 @@ def build_torch(path: Path, export_manifest: dict | None, out_dir: Path, *, weig
         else:
             source.tokenizer.save_pretrained(tmp / TOKENIZER)
         if head is not None:
-            manifest["head"] = carry(head, tmp, manifest, path)
+            # the target's embedding as loaded here (a head without one of its own takes it): not the file read again
+            embedding = source.hf_model.get_input_embeddings().weight.detach()
+            manifest["head"] = carry(head, tmp, manifest, path, embedding=embedding)
     log.info("wrote %s in %.1f s", out_dir, time.perf_counter() - t0)
     return out_dir
