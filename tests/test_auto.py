@@ -74,6 +74,35 @@ def carrier(tmp_path_factory, model_dir):
     return engine, head_dir
 
 
+def test_a_build_that_fails_while_its_head_is_made_leaves_no_engine_and_no_process(tmp_path, model_dir, monkeypatch):
+    """The head is made in a second process while the target compiles: a failure of the target's compile stops it
+    and leaves nothing at the output path."""
+    import torch
+
+    import trtspec
+    from trtspec.heads import carried
+
+    started = []
+    start = carried.HEAD_CARRIERS["eagle3"]
+
+    def recording(*args, **kw):
+        finish = start(*args, **kw)
+        started.append(finish.process)
+        return finish
+
+    def failing(*args, **kw):
+        raise RuntimeError("the target's compile failed")
+
+    monkeypatch.setitem(carried.HEAD_CARRIERS, "eagle3", recording)
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", failing)
+    head_dir = released_head(tmp_path / "released", model_dir(ARCH))
+    with pytest.raises(RuntimeError, match="the target's compile failed"):
+        trtspec.build(model_dir(ARCH), tmp_path / "engine", backend="torch", head=head_dir, max_seq_len=S_MAX,
+                      max_batch=MAX_BATCH)
+    assert not (tmp_path / "engine").exists() and not list(tmp_path.glob(".engine*"))
+    assert len(started) == 1 and started[0].poll() is not None  # started, then stopped
+
+
 def _recorded(gen):
     """Every round's proposal (drafts and counts) of a Generator's drafter, as it makes them."""
     drafter, seen = gen.scheduler.drafter, []

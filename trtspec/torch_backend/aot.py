@@ -211,7 +211,15 @@ def build_torch(path: Path, export_manifest: dict | None, out_dir: Path, *, weig
     manifest = {"format": ENGINE_FORMAT, "backend": "torch", "graph": PACKAGE,
                 "tokenizer": export_manifest["tokenizer"] if exported else TOKENIZER, "model": model, "build": build,
                 "source": export_source(path) if exported else _model_source(source), "versions": versions("torch")}
-    with atomic_artifact(out_dir, manifest) as tmp, torch.no_grad():
+    with atomic_artifact(out_dir, manifest) as tmp, torch.no_grad(), contextlib.ExitStack() as pending:
+        if not exported:
+            source.tokenizer.save_pretrained(tmp / TOKENIZER)
+        if head is not None:
+            # made in a second process while this one compiles the target (heads/carried.py), taking the target's
+            # embedding as loaded here (a head without one of its own takes it), not the file read again
+            embedding = source.hf_model.get_input_embeddings().weight.detach()
+            head_done = carry(head, tmp, manifest, path, embedding=embedding)
+            pending.callback(head_done, cancel=True)  # any way out of the build stops it, if it still runs
         args, dims = _example(model, device)
         t = time.perf_counter()
         log.info("torch.export of the step module (%d layers, dynamic rows, tokens and live length)",
@@ -235,11 +243,7 @@ def build_torch(path: Path, export_manifest: dict | None, out_dir: Path, *, weig
         build["compile_s"] = round(time.perf_counter() - t, 1)
         if exported:
             carry_files(path, export_manifest, tmp)
-        else:
-            source.tokenizer.save_pretrained(tmp / TOKENIZER)
         if head is not None:
-            # the target's embedding as loaded here (a head without one of its own takes it): not the file read again
-            embedding = source.hf_model.get_input_embeddings().weight.detach()
-            manifest["head"] = carry(head, tmp, manifest, path, embedding=embedding)
+            manifest["head"] = head_done()
     log.info("wrote %s in %.1f s", out_dir, time.perf_counter() - t0)
     return out_dir
