@@ -1,5 +1,6 @@
 """What `trtspec build FILE.gguf --backend torch` costs on this machine, as a new user's first build pays it: each
-build in a fresh process with an empty inductor cache and temporary directory, against an earlier revision in the same run.
+build in a fresh process with an empty inductor cache and temporary directory, against an earlier revision in the
+same run.
 
     python benchmarks/bench_build.py [--gguf FILE] [--baseline REV] [--variants default int8] [--rounds 2]
         [--out build]
@@ -7,8 +8,9 @@ build in a fresh process with an empty inductor cache and temporary directory, a
 Rounds alternate over (source, variant). The kernels' library of each source is compiled before the first round
 (once per machine, as `make demo` does while pip installs); everything else is the build a new user's first run pays:
 loading the file, inductor's probe of the CPU's vector instructions, torch.export, AOTInductor's trace, lowering and
-C++ compile (its precompiled headers included). --baseline REV checks REV's trtspec/ out into a temporary git worktree. Writes
-benchmarks/results/<--out>.{json,md} with the CPU model and ISA, and the engines' traced op counts.
+C++ compile (precompiled headers included, where a revision makes them). --baseline REV checks REV's trtspec/ out
+into a temporary git worktree. Writes benchmarks/results/<--out>.{json,md} with the CPU model and ISA, and the
+engines' traced op counts.
 """
 
 from __future__ import annotations

@@ -36,7 +36,8 @@ def default_backend(path: str | os.PathLike, *, weights: str | None = None, fuse
 
 # head kind -> start(head_dir, engine_tmp, manifest, model_path, embedding=None) -> finish() -> the manifest's
 # ``head`` section: makes a head in an engine being built, started before the target's compile and finished after
-# it (``embedding``: the target's, as the build loaded it). heads/carried.py registers EAGLE-3's (the heads sit above the builder).
+# it (``embedding``: the target's, as the build loaded it). heads/carried.py registers EAGLE-3's (the heads sit above
+# the builder).
 HEAD_CARRIERS: dict = {}
 
 

@@ -211,7 +211,8 @@ class StepModel(nn.Module):
         fused = self.fused[f"qkv_{i}"] if f"qkv_{i}" in self.fused else None
         if fused is not None and hasattr(fused, "whole"):
             return fused.whole(x)
-        return torch.cat(fused(x) if fused is not None else (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)), dim=-1)
+        parts = fused(x) if fused is not None else (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x))
+        return torch.cat(parts, dim=-1)
 
     def mlp(self, i, layer, x):
         if f"gate_up_{i}" not in self.fused:

@@ -33,8 +33,6 @@ def carry_head(head, engine_tmp: Path, manifest: dict, model_path, embedding=Non
     """Make the head for the engine being written in ``engine_tmp`` (its manifest not yet on disk) in
     ``engine_tmp/head``, its matrices in 8-bit blocks, the head's embedding (when it has none) ``embedding``, the
     target's as the build loaded it, or read from ``model_path``; -> the manifest's ``head``."""
-    import json
-
     from .. import kernels
     from .compiled import compile_head_for, not_compilable
     from .eagle3 import CONFIG, Eagle3Config

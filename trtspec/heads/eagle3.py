@@ -245,15 +245,13 @@ def load_head(path, target_dir=None, embedding=None):
                if k not in state]
     if missing:
         raise ArtifactError(f"{path} is not an EAGLE-3 head: {', '.join(missing)} missing from its weights")
-    if "embed_tokens.weight" not in state and embedding is not None:
-        state["embed_tokens.weight"] = embedding
-    elif "embed_tokens.weight" not in state:
-        if target_dir is None:
+    if "embed_tokens.weight" not in state:
+        if embedding is None and target_dir is None:
             raise ArtifactError(f"{path} has no embed_tokens.weight of its own, so it takes the target's embedding, "
                                 "and the target's HF model directory is unknown (not recorded, moved or deleted): "
                                 "pass it with --target-model DIR (trtspec export-head) or target_model=DIR "
                                 "(export_head)")
-        state["embed_tokens.weight"] = _target_embedding(Path(target_dir))
+        state["embed_tokens.weight"] = embedding if embedding is not None else _target_embedding(Path(target_dir))
     if "d2t" not in state:  # a head over the full vocabulary
         state["d2t"] = torch.zeros(config.draft_vocab_size, dtype=torch.long)
         state["t2d"] = torch.ones(config.vocab_size, dtype=torch.bool)

@@ -27,8 +27,8 @@ from . import build, torch_path
 from .blocks import TYPES, Blocks, decode, dequantize
 from .layout import Packed, pack, unpack
 
-__all__ = ["TYPES", "Blocks", "Packed", "decode", "dequantize", "pack", "unpack", "load", "linear", "attention", "attention_rows_live",
-           "rms_norm", "rope_qkv", "status", "paths", "use_path", "c_shims"]
+__all__ = ["TYPES", "Blocks", "Packed", "decode", "dequantize", "pack", "unpack", "load", "linear", "attention",
+           "attention_rows_live", "rms_norm", "rope_qkv", "status", "paths", "use_path", "c_shims"]
 
 _status: dict = {}
 
@@ -128,9 +128,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     q [B, H, T, D] float32; k, v [B, Hkv, S, D] (a KV cache cut to its live slots), H a multiple of Hkv; mask
     bool, broadcastable to [B, 1, T, S] -> [B, H, T, D]. The op itself also takes a whole cache and a mask
     [B, 1, T, S] over its first S slots (attention_rows_live)."""
-    load()
-    mask = mask.expand(q.shape[0], 1, q.shape[2], k.shape[2])
-    return torch.ops.trtspec.attention_rows(q, k, v, mask, scale, softcap or 0.0)
+    return attention_rows_live(q, k, v, mask.expand(q.shape[0], 1, q.shape[2], k.shape[2]), scale, softcap)
 
 
 def attention_rows_live(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,

@@ -129,7 +129,8 @@ __attribute__((visibility("default"))) AOTITorchError aoti_torch_cpu_rope_qkv(
     AtenTensorHandle* ret0, AtenTensorHandle* ret1, AtenTensorHandle* ret2) {
   using torch::aot_inductor::tensor_handle_to_tensor_pointer;
   AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
-    auto [q, k, v] = trtspec_step::rope_qkv(*tensor_handle_to_tensor_pointer(qkv), *tensor_handle_to_tensor_pointer(cos),
+    auto [q, k, v] = trtspec_step::rope_qkv(*tensor_handle_to_tensor_pointer(qkv),
+                                            *tensor_handle_to_tensor_pointer(cos),
                                             *tensor_handle_to_tensor_pointer(sin), heads, kv_heads);
     *ret0 = torch::aot_inductor::new_tensor_handle(std::move(q));
     *ret1 = torch::aot_inductor::new_tensor_handle(std::move(k));
