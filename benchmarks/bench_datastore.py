@@ -2,7 +2,7 @@
 Lib/ adds to suffix decoding, and what the index costs to build, hold and look up.
 
     python benchmarks/bench_datastore.py [--engine engines/smollm2-torch-int8x] [--rounds 3] [--prompts 8]
-        [--tokens 128] [--out benchmarks/results/datastore]
+        [--tokens 128] [--out benchmarks/results/datastore] [--index-only]
 
 The engine is `make demo`'s (SmolLM2-135M-Instruct's Q4_1 GGUF, torch, --int8-activations), 2 threads, greedy, each
 prompt alone. Three configurations take turns in each round, a workload's prompts each (the order rotated), each a
@@ -31,6 +31,7 @@ import argparse
 import json
 import math
 import platform
+import shutil
 import statistics
 import sys
 import sysconfig
@@ -82,6 +83,7 @@ def build(paths, out: Path, engine: str, patterns) -> dict:
     from trtspec import index
     from trtspec.runtime.drafters.datastore import Datastore
 
+    shutil.rmtree(out, ignore_errors=True)  # a fresh build (one into an index of the same files reuses their tokens)
     t = time.perf_counter()
     index(paths, out, tokenizer=engine, patterns=patterns)
     seconds = time.perf_counter() - t
@@ -94,6 +96,27 @@ def build(paths, out: Path, engine: str, patterns) -> dict:
             "tokens": store.tokens, "build_s": seconds, "tokenize_s": store.manifest["build"]["tokenize_seconds"],
             "build_mb_per_s": text_bytes / 1e6 / seconds, "bytes_per_token": on_disk / store.tokens,
             "load_s": load_s}
+
+
+def lib_builds_against_pure(lib: Path, root: Path, engine: str, rounds: int = 3) -> dict:
+    """Lib/'s index built ``rounds`` times natively and on the pure paths, taking turns: each the median build."""
+    from trtspec.kernels import text as text_kernels
+
+    native = text_kernels.byte_level_bpe, text_kernels.suffix_array
+    runs: dict = {"lib": [], "lib, pure paths": []}
+    for _ in range(rounds):
+        runs["lib"].append(build(lib_paths(lib), root / "cpython-lib", engine, ("*.py",)))
+        text_kernels.byte_level_bpe = text_kernels.suffix_array = lambda *a, **k: None
+        try:
+            runs["lib, pure paths"].append(build(lib_paths(lib), root / "cpython-lib-pure", engine, ("*.py",)))
+        finally:
+            text_kernels.byte_level_bpe, text_kernels.suffix_array = native
+    out = {name: sorted(r, key=lambda x: x["build_s"])[rounds // 2] for name, r in runs.items()}
+    out["lib, pure paths"]["same_files_as_native"] = all(
+        (root / "cpython-lib" / f).read_bytes() == (root / "cpython-lib-pure" / f).read_bytes()
+        for f in ("text.bin", "sa.bin"))
+    out["lib"]["x_pure_by_round"] = [p["build_s"] / n["build_s"] for n, p in zip(runs["lib"], runs["lib, pure paths"])]
+    return out
 
 
 def lookup_cost(store, tokenizer, texts: list[str], depth: int = 16, repeats: int = 20) -> dict:
@@ -186,18 +209,29 @@ def markdown(res: dict) -> str:
             lines.append(f"| {w} | {c} | {r['decode_tok_s']:.1f} | {r['x_target']:.2f} | {r['x_suffix']:.2f} | "
                          f"{r['tokens_per_call']:.2f} | {r['acceptance']:.2f} | {r['equal_to_target']} |")
     lines += ["", "x target alone, x suffix: the median over rounds of each round's own ratio. tokens / target call: "
-              "tokens after the first per target call after the prompt's.", "",
-              "| index | files | text MB | tokens | build s (tokenizing) | MB/s | bytes / token | load s |",
-              "|---|---|---|---|---|---|---|---|"]
+              "tokens after the first per target call after the prompt's.", "", *index_table(res)]
+    return "\n".join(lines)
+
+
+def index_table(res: dict) -> list[str]:
+    lines = ["| index | files | text MB | tokens | build s (reading and tokenizing) | MB/s | bytes / token | load s |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, ix in res["indexes"].items():
         lines.append(f"| {name} | {ix['files']} | {ix['text_mb']:.1f} | {ix['tokens']:,} | {ix['build_s']:.1f} "
                      f"({ix['tokenize_s']:.1f}) | {ix['build_mb_per_s']:.2f} | {ix['bytes_per_token']:.2f} | "
                      f"{ix['load_s'] * 1000:.1f} ms |")
+    pure = res["indexes"].get("lib, pure paths")
+    if pure:
+        x = statistics.median(res["indexes"]["lib"]["x_pure_by_round"])
+        same = "equal" if pure["same_files_as_native"] else "DIFFER FROM"
+        lines += ["", "lib, pure paths: the same build with the HF tokenizer and numpy's sort instead of the native ones "
+                  f"(kernels/text.py); its text.bin and sa.bin {same} the native build's, byte for byte. lib and lib, pure paths: the median of 3 builds each, taking "
+                  f"turns; the native build is {x:.2f}x faster (the median of each round's own ratio)."]
     lk = res["lookup"]
     lines += ["", f"Lookup cost on the {res['indexes']['large']['text_mb']:.0f} MB index: median {lk['median_us']:.1f} "
               f"us, p90 {lk['p90_us']:.1f} us over {lk['lookups']} tails of held-out text (each the fastest of 20 "
               f"calls; {lk['hit_share']:.0%} found a match).", ""]
-    return "\n".join(lines)
+    return lines
 
 
 def main(argv=None):
@@ -209,6 +243,8 @@ def main(argv=None):
     ap.add_argument("--index-dir", default="index", help="where the indexes are built (kept for reuse)")
     ap.add_argument("--large-mb", type=float, default=100.0, help="text in the index the lookup cost is measured on")
     ap.add_argument("--out", default="benchmarks/results/datastore")
+    ap.add_argument("--index-only", action="store_true",
+                    help="only the indexes' build, size and lookup cost, into OUT-index.md (no engine runs)")
     args = ap.parse_args(argv)
 
     import torch
@@ -222,7 +258,10 @@ def main(argv=None):
     lib = Path(sysconfig.get_paths()["stdlib"])
     tokenizer = AutoTokenizer.from_pretrained(Path(args.engine) / "tokenizer")
     root = Path(args.index_dir)
-    indexes = {"lib": build(lib_paths(lib), root / "cpython-lib", args.engine, ("*.py",))}
+    if args.index_only:  # 3 builds of Lib/ each, taking turns with the pure paths (HF tokenizer, numpy's sort)
+        indexes = lib_builds_against_pure(lib, root, args.engine)
+    else:
+        indexes = {"lib": build(lib_paths(lib), root / "cpython-lib", args.engine, ("*.py",))}
     print("index of Lib/:", json.dumps(indexes["lib"]), flush=True)
     # ~large-mb of Python: Lib/ and then the venv's packages, file by file, until the size is reached
     site = Path(sysconfig.get_paths()["purelib"])
@@ -237,6 +276,13 @@ def main(argv=None):
     held_out = [(Path(__file__).resolve().parent / name).read_text() for name in ("bench_real.py", "common.py")]
     lookup = lookup_cost(Datastore(root / "large"), tokenizer, held_out)
     print("lookup:", json.dumps(lookup), flush=True)
+    if args.index_only:
+        res = {"cpu": _cpu(), "date": time.strftime("%Y-%m-%d %H:%M"), "python": platform.python_version(),
+               "indexes": indexes, "lookup": lookup}
+        head = (f"Building and looking up a datastore index with SmolLM2-135M-Instruct's tokenizer ({args.engine}), "
+                f"2 threads (measured {res['date']}). CPU: {res['cpu']['model']}; ISA: {' '.join(res['cpu']['isa'])}.")
+        save_results(Path(args.out + "-index"), res, "\n".join([head, "", *index_table(res)]))
+        return
 
     # (before the engine loads: torch's work on this thread would leave it an OpenMP pool beside the scheduler's,
     # and two pools on 2 cores slow every engine call several times; loading lets the loading thread's pool go)
