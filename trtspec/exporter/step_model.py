@@ -163,10 +163,12 @@ class StepModel(nn.Module):
         if fuse_projections:
             self._fuse_projections(FusedLinear if fuse_projections is True else fuse_projections)
         self.register_buffer("slots", torch.arange(max_seq_len), persistent=False)
-        # step_ops (the torch backend's GGUF builds, which have trtspec's native library): each plain RMSNorm, and a
-        # layer's q/k/v split, RoPE and layout, as one op each (kernels.rms_norm, kernels.rope_qkv) where the traced
-        # step had about 10 and 25: the build traces, lowers and compiles that many fewer (csrc/step_ops.cpp)
+        # step_ops (the torch backend's GGUF builds, which have trtspec's native library): each plain RMSNorm, a
+        # layer's q/k/v split, RoPE and layout, and a gated MLP's SiLU product, as one op each (kernels.rms_norm,
+        # rope_qkv, silu_mul) where the traced step had about 10, 25 and 5: the build traces, lowers and compiles that
+        # many fewer (csrc/step_ops.cpp)
         self.native_rope = [False] * spec.num_layers
+        self.native_silu = [False] * spec.num_layers  # the gated MLP's silu(gate) * up as kernels.silu_mul
         if step_ops and spec.family != "gpt2" and dtype == torch.float32:
             self._use_step_ops()
         for n in set(self.cache_slots) - {max_seq_len}:
@@ -205,6 +207,9 @@ class StepModel(nn.Module):
             separate = all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj"))
             self.native_rope[i] = (self.in_place_cache and full_rotary and not hasattr(attn, "q_norm")
                                    and (f"qkv_{i}" in self.fused or separate))
+            gate_up = self.fused[f"gate_up_{i}"] if f"gate_up_{i}" in self.fused else None
+            self.native_silu[i] = (hasattr(gate_up, "whole") and len(set(getattr(gate_up, "sizes", ()))) == 1
+                                   and type(layer.mlp.act_fn).__name__ in ("SiLUActivation", "SiLU"))
 
     def _qkv(self, i, attn, x):
         """Layer i's q, k and v projections side by side [B, T, (H + 2 Hkv) D]."""
@@ -217,6 +222,10 @@ class StepModel(nn.Module):
     def mlp(self, i, layer, x):
         if f"gate_up_{i}" not in self.fused:
             return layer.mlp(x)
+        if self.native_silu[i]:
+            from .. import kernels
+
+            return layer.mlp.down_proj(kernels.silu_mul(self.fused[f"gate_up_{i}"].whole(x)))
         gate, up = self.fused[f"gate_up_{i}"](x)
         return layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
 

@@ -28,7 +28,7 @@ from .blocks import TYPES, Blocks, decode, dequantize
 from .layout import Packed, pack, unpack
 
 __all__ = ["TYPES", "Blocks", "Packed", "decode", "dequantize", "pack", "unpack", "load", "linear", "attention",
-           "attention_rows_live", "rms_norm", "rope_qkv", "status", "paths", "use_path", "c_shims"]
+           "attention_rows_live", "rms_norm", "rope_qkv", "silu_mul", "status", "paths", "use_path", "c_shims"]
 
 _status: dict = {}
 
@@ -55,6 +55,7 @@ def load(progress=sys.stderr) -> str:
     torch.library.register_fake("trtspec::attention_rows")(_attention_fake)
     torch.library.register_fake("trtspec::rms_norm")(_rms_norm_fake)
     torch.library.register_fake("trtspec::rope_qkv")(_rope_qkv_fake)
+    torch.library.register_fake("trtspec::silu_mul")(_silu_mul_fake)
     forced = os.environ.get("TRTSPEC_KERNEL_PATH")
     if forced and _status["backend"] == "native":
         runs = list(torch.ops.trtspec.gguf_kernel_paths())
@@ -85,6 +86,8 @@ def c_shims() -> dict:
         torch.ops.trtspec.rope_qkv.default: [
             "AOTITorchError aoti_torch_cpu_rope_qkv(AtenTensorHandle qkv, AtenTensorHandle cos, AtenTensorHandle sin, "
             "int64_t heads, int64_t kv_heads, AtenTensorHandle* ret0, AtenTensorHandle* ret1, AtenTensorHandle* ret2)"],
+        torch.ops.trtspec.silu_mul.default: [
+            "AOTITorchError aoti_torch_cpu_silu_mul(AtenTensorHandle x, AtenTensorHandle* ret0)"],
     }
 
 
@@ -104,6 +107,18 @@ def _rms_norm_fake(x, weight, eps):
 def _rope_qkv_fake(qkv, cos, sin, heads, kv_heads):
     b, t, d = qkv.shape[0], qkv.shape[1], cos.shape[-1]
     return qkv.new_empty((b, heads, t, d)), qkv.new_empty((b, t, kv_heads, d)), qkv.new_empty((b, t, kv_heads, d))
+
+
+def _silu_mul_fake(x):
+    return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """A gated MLP's fused gate/up output [..., 2N] -> silu(gate) * up [..., N] in float32, each element alone, the
+    same bits on every instruction set (csrc/step_ops.cpp): one traced op where HF's split, SiLU and product are
+    five."""
+    load()
+    return torch.ops.trtspec.silu_mul(x)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -19,7 +19,8 @@ SCHEMA = ("gguf_linear(Tensor x, Tensor packed, int n, int k, int bits, int grou
 ATTENTION_SCHEMA = "attention_rows(Tensor q, Tensor k, Tensor v, Tensor mask, float scale, float softcap) -> Tensor"
 STEP_SCHEMAS = {"rms_norm": "rms_norm(Tensor x, Tensor weight, float eps) -> Tensor",
                 "rope_qkv": "rope_qkv(Tensor qkv, Tensor cos, Tensor sin, int heads, int kv_heads) -> "
-                            "(Tensor, Tensor, Tensor)"}
+                            "(Tensor, Tensor, Tensor)",
+                "silu_mul": "silu_mul(Tensor x) -> Tensor"}
 _library = None
 
 
@@ -90,8 +91,14 @@ def rope_qkv(qkv, cos, sin, heads, kv_heads):
     return rotate(q).transpose(1, 2).contiguous(), rotate(k).contiguous(), v.contiguous()
 
 
+def silu_mul(x):
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
 def register() -> None:
-    """Define torch.ops.trtspec.gguf_linear, attention_rows, rms_norm, rope_qkv (and the path ops) in Python."""
+    """Define torch.ops.trtspec.gguf_linear, attention_rows, rms_norm, rope_qkv, silu_mul (and the path ops) in
+    Python."""
     global _library
     if _library is not None:
         return

@@ -12,6 +12,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <vector>
 #include <tuple>
 
 namespace trtspec_step {
@@ -96,17 +98,100 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_qkv(const at::Tensor& qkv, c
   return {q, k, v};
 }
 
+// exp(x) in float32 for any x (0 from e^-104 down, inf from e^89 up, subnormals between), by Cody and Waite's
+// reduction and a degree-6 polynomial, times 2^n as two powers of two (each a normal float): only additions,
+// multiplications and conversions, so every vector width gives the same bits.
+inline __attribute__((always_inline)) float exp_any(float x) {
+  x = x < -104.0f ? -104.0f : x;
+  x = x > 89.0f ? 89.0f : x;
+  const float n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;  // round(x / ln 2), to nearest
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float e = p * (r * r) + r + 1.0f;
+  const int32_t n1 = static_cast<int32_t>(n) >> 1, n2 = static_cast<int32_t>(n) - n1;  // 2^n = 2^n1 2^n2
+  const int32_t bits1 = (n1 + 127) << 23, bits2 = (n2 + 127) << 23;
+  float scale1, scale2;
+  std::memcpy(&scale1, &bits1, sizeof scale1);
+  std::memcpy(&scale2, &bits2, sizeof scale2);
+  return (e * scale1) * scale2;
+}
+
+inline __attribute__((always_inline)) void silu_mul_row(const float* g, const float* u, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] = g[i] / (1.0f + exp_any(-g[i])) * u[i];
+}
+
+// the same loop compiled for each vector width (the same bits on each: no fused multiply-adds, -ffp-contract=off)
+__attribute__((target("avx512f"))) void silu_mul_avx512(const float* g, const float* u, float* y, int64_t n) {
+  silu_mul_row(g, u, y, n);
+}
+__attribute__((target("avx2"))) void silu_mul_avx2(const float* g, const float* u, float* y, int64_t n) {
+  silu_mul_row(g, u, y, n);
+}
+void silu_mul_sse(const float* g, const float* u, float* y, int64_t n) { silu_mul_row(g, u, y, n); }
+
+using SiluRow = void (*)(const float*, const float*, float*, int64_t);
+
+// The widths this CPU runs, widest first.
+std::vector<SiluRow> silu_mul_widths() {
+  std::vector<SiluRow> out;
+  if (__builtin_cpu_supports("avx512f")) out.push_back(silu_mul_avx512);
+  if (__builtin_cpu_supports("avx2")) out.push_back(silu_mul_avx2);
+  out.push_back(silu_mul_sse);
+  return out;
+}
+
+at::Tensor silu_mul_with(const at::Tensor& x, SiluRow row) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "silu_mul: x must be float32, got ", x.scalar_type());
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) % 2 == 0, "silu_mul: x [..., 2N] has an even last dimension, got ",
+              x.sizes());
+  const int64_t n = x.size(-1) / 2, rows = n ? x.numel() / (2 * n) : 0;
+  const at::Tensor xc = x.contiguous();
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  at::Tensor out = at::empty(shape, x.options());
+  const float* xp = xc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, kRowsGrain, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) row(xp + r * 2 * n, xp + r * 2 * n + n, op + r * n, n);
+  });
+  return out;
+}
+
+// torch.ops.trtspec.silu_mul: a gated MLP's fused gate/up output x [..., 2N] -> silu(gate) * up [..., N], silu(g) =
+// g / (1 + exp(-g)) (HF's SiLU, within float32 rounding), as one traced op where split, silu and mul were five.
+at::Tensor silu_mul(const at::Tensor& x) {
+  static const SiluRow widest = silu_mul_widths().front();
+  return silu_mul_with(x, widest);
+}
+
+// torch.ops.trtspec.silu_mul_widths: silu_mul on each vector width this CPU runs, widest first (the tests' check
+// that they give the same bits).
+std::vector<at::Tensor> silu_mul_all_widths(const at::Tensor& x) {
+  std::vector<at::Tensor> out;
+  for (SiluRow row : silu_mul_widths()) out.push_back(silu_mul_with(x, row));
+  return out;
+}
+
 }  // namespace
 }  // namespace trtspec_step
 
 TORCH_LIBRARY_FRAGMENT(trtspec, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rope_qkv(Tensor qkv, Tensor cos, Tensor sin, int heads, int kv_heads) -> (Tensor, Tensor, Tensor)");
+  m.def("silu_mul(Tensor x) -> Tensor");
+  m.def("silu_mul_widths(Tensor x) -> Tensor[]", &trtspec_step::silu_mul_all_widths);
 }
 
 TORCH_LIBRARY_IMPL(trtspec, CPU, m) {
   m.impl("rms_norm", &trtspec_step::rms_norm);
   m.impl("rope_qkv", &trtspec_step::rope_qkv);
+  m.impl("silu_mul", &trtspec_step::silu_mul);
 }
 
 // C shims for AOTInductor (as ops.cpp's): the schemas' arguments, then a handle for each output.
@@ -135,6 +220,14 @@ __attribute__((visibility("default"))) AOTITorchError aoti_torch_cpu_rope_qkv(
     *ret0 = torch::aot_inductor::new_tensor_handle(std::move(q));
     *ret1 = torch::aot_inductor::new_tensor_handle(std::move(k));
     *ret2 = torch::aot_inductor::new_tensor_handle(std::move(v));
+  });
+}
+
+__attribute__((visibility("default"))) AOTITorchError aoti_torch_cpu_silu_mul(AtenTensorHandle x,
+                                                                              AtenTensorHandle* ret0) {
+  using torch::aot_inductor::tensor_handle_to_tensor_pointer;
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    *ret0 = torch::aot_inductor::new_tensor_handle(trtspec_step::silu_mul(*tensor_handle_to_tensor_pointer(x)));
   });
 }
 
