@@ -40,8 +40,12 @@ log = logging.getLogger("trtspec.torch")
 # one-row call ran attention on one thread while the other waited. Planned for 8 threads it splits rows x heads
 # (x tokens); dynamic threads: the loaded package uses however many threads torch has where it runs, and its
 # reductions size their per-thread arrays then, not from the machine that built it.
-# precompile_headers off: making them cost a first build about 9 s on 2 cores and saved a later one about 2 s
+# precompile_headers off: making them cost a first build about 9 s on 2 cores and saved a later one about 2 s.
+# The wrapper (the C++ that calls each kernel in turn) compiled at -O0, not inductor's -O1: 5 s less to build
+# SmolLM2's, and its calls take the same time (the kernels' own loops are compiled apart, optimized as before).
 COMPILE_CONFIG = {"cpp.threads": 8, "cpp.dynamic_threads": True, "aot_inductor.precompile_headers": False}
+if hasattr(torch._inductor.config.aot_inductor, "compile_wrapper_opt_level"):
+    COMPILE_CONFIG["aot_inductor.compile_wrapper_opt_level"] = "O0"
 TOKENIZER = "tokenizer"  # where an engine built without an export keeps its tokenizer
 
 
