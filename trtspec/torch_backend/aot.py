@@ -234,7 +234,7 @@ def build_torch(path: Path, export_manifest: dict | None, out_dir: Path, *, weig
         if device == "cpu":  # the vector instructions inductor compiles for: the machine's best
             meanwhile["isa"].join()
             build["cpu_isa"] = cpu_isa()
-        log.info("AOTInductor: compiling the step into %s (about 45 s on 2 cores)", PACKAGE)
+        log.info("AOTInductor: compiling the step into %s (about 30 s on 2 cores)", PACKAGE)
         config = dict(COMPILE_CONFIG)
         shims = kernels.c_shims() if report is not None and device == "cpu" else {}
         if shims:
