@@ -295,8 +295,14 @@ def test_attention_over_a_whole_cache_equals_the_cache_cut_to_the_rows_visible_s
         # the compiled step's call: the whole caches, the mask over their first (live) slots only
         live = kernels.attention_rows_live(q, k, v, mask[..., :304].expand(1, 1, 4, 304).contiguous(), 0.125)
         assert torch.equal(live, expected), kernel_path
+        # and as the int8 step calls it: its rows written as [B, T, H * D], the output projection's input
+        tokens = kernels.attention_rows_tokens(q, k, v, mask[..., :304].expand(1, 1, 4, 304).contiguous(), 0.125)
+        assert tokens.shape == (1, 4, 6 * d) and torch.equal(tokens, expected.transpose(1, 2).flatten(2)), kernel_path
     assert torch.equal(kernels.torch_path.attention_rows(q, k, v, mask[..., :304].expand(1, 1, 4, 304), 0.125, 0.0),
                        kernels.torch_path.attention_rows(q, k, v, mask.expand(1, 1, 4, 2048), 0.125, 0.0))
+    assert torch.equal(
+        kernels.torch_path.attention_rows_tokens(q, k, v, mask[..., :304].expand(1, 1, 4, 304), 0.125, 0.0),
+        kernels.torch_path.attention_rows(q, k, v, mask.expand(1, 1, 4, 2048), 0.125, 0.0).transpose(1, 2).flatten(2))
     with pytest.raises(RuntimeError, match="S at least the mask's"):
         kernels.attention_rows_live(q, k[:, :, :300], v[:, :, :300], mask[..., :304].expand(1, 1, 4, 304), 0.125)
 
@@ -306,14 +312,18 @@ def test_attention_traces_with_torch_export():
 
     class Attention(torch.nn.Module):
         def forward(self, q, k, v, mask):
-            return kernels.attention(q, k, v, mask, 0.125) + 1.0
+            full = mask.expand(q.shape[0], 1, q.shape[2], k.shape[2])
+            return kernels.attention(q, k, v, mask, 0.125) + 1.0, kernels.attention_rows_tokens(q, k, v, full, 0.125)
 
     tokens = torch.export.Dim("tokens", min=2, max=64)
     ep = torch.export.export(Attention(), (q, k, v, mask),
                              dynamic_shapes=({2: tokens}, None, None, {2: tokens}))
-    assert any(n.target is torch.ops.trtspec.attention_rows.default for n in ep.graph.nodes)
+    targets = {n.target for n in ep.graph.nodes}
+    assert {torch.ops.trtspec.attention_rows.default, torch.ops.trtspec.attention_rows_tokens.default} <= targets
     q2, _, _, mask2 = _attention_case(64, t=9, seed=4)
-    assert torch.equal(ep.module()(q2, k, v, mask2), kernels.attention(q2, k, v, mask2, 0.125) + 1.0)
+    got, flat = ep.module()(q2, k, v, mask2)
+    rows = kernels.attention(q2, k, v, mask2, 0.125)
+    assert torch.equal(got, rows + 1.0) and torch.equal(flat, rows.transpose(1, 2).flatten(2))
 
 
 # ---- the step's small ops: RMSNorm, a layer's q/k/v RoPE, SiLU's product ---------------------------------------------------------

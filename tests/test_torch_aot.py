@@ -103,9 +103,10 @@ def test_the_package_calls_our_kernels_as_c_functions(gguf):
             [wrapper] = [package.read(n).decode() for n in package.namelist() if n.endswith(".wrapper.cpp")]
         layers = manifest["model"]["num_layers"]
         # each function's declaration, then its calls: q/k/v, o, gate/up and down a layer (one of the tiny file's
-        # down layers is float), and one attention a layer
+        # down layers is float), and one attention a layer (its rows written as the output projection's input)
         assert wrapper.count("aoti_torch_cpu_gguf_linear(") >= 1 + 3 * layers, name
-        assert wrapper.count("aoti_torch_cpu_attention_rows(") == 1 + (layers if rowwise else 0), name
+        assert wrapper.count("aoti_torch_cpu_attention_rows_tokens(") == 1 + (layers if rowwise else 0), name
+        assert wrapper.count("aoti_torch_cpu_attention_rows(") == 1, name  # (declared, not called)
         assert "call_function(" not in wrapper, name
 
 

@@ -87,10 +87,10 @@ def rowwise_attention(q, k, v, mask, scale: float, softcap: float | None = None)
     attention_rows op (kernels.attention), traced by torch.export and called by the compiled package.
 
     q [B, H, T, D], k/v [B, Hkv, S', D] (S' >= S: the op reads the first S slots), mask bool [B, 1, T, S]
-    -> [B, H, T, D]"""
+    -> [B, T, H * D] (the output projection's input: attention_rows_tokens)"""
     from .. import kernels
 
-    return kernels.attention_rows_live(q, k, v, mask, scale, softcap)
+    return kernels.attention_rows_tokens(q, k, v, mask, scale, softcap)
 
 
 class StepModel(nn.Module):
@@ -323,20 +323,15 @@ class StepModel(nn.Module):
             present_value = kv_cache_write(past_value, v, writes)
         # what attention reads: the written cache (in place: the past buffers, cut to the live slots)
         keys, values = (past_key, past_value) if self.in_place_cache else (present_key, present_value)
-        if self.rowwise:
+        if self.rowwise:  # (the op writes [B, T, H * D], the output projection's input)
             y = rowwise_attention(q, keys, values, mask, self.scalings[i], spec.attn_softcap)
         elif spec.attn_softcap:  # Gemma 2: SDPA has no soft-capping; one op exported as Attention(softcap=...)
             y = softcapped_attention(q, keys, values, mask, self.scalings[i], spec.attn_softcap)
+            y = y.transpose(1, 2).flatten(2)
         else:
-            y = F.scaled_dot_product_attention(
-                q,
-                keys,
-                values,
-                attn_mask=mask,
-                scale=self.scalings[i],
-                enable_gqa=spec.num_heads != spec.num_kv_heads,
-            )
-        y = y.transpose(1, 2).flatten(2)
+            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scalings[i],
+                                               enable_gqa=spec.num_heads != spec.num_kv_heads)
+            y = y.transpose(1, 2).flatten(2)
         return out_proj(y), present_key, present_value
 
     def forward(self, input_ids, position_ids, *past, live=None):

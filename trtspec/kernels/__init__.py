@@ -28,7 +28,7 @@ from .blocks import TYPES, Blocks, decode, dequantize
 from .layout import Packed, pack, unpack
 
 __all__ = ["TYPES", "Blocks", "Packed", "decode", "dequantize", "pack", "unpack", "load", "linear", "attention",
-           "attention_rows_live", "rms_norm", "rope_qkv", "silu_mul", "status", "paths", "use_path", "c_shims"]
+           "attention_rows_live", "attention_rows_tokens", "rms_norm", "rope_qkv", "silu_mul", "status", "paths", "use_path", "c_shims"]
 
 _status: dict = {}
 
@@ -53,6 +53,7 @@ def load(progress=sys.stderr) -> str:
         _status.update(backend="torch", reason=str(e))
     torch.library.register_fake("trtspec::gguf_linear")(_fake)
     torch.library.register_fake("trtspec::attention_rows")(_attention_fake)
+    torch.library.register_fake("trtspec::attention_rows_tokens")(_attention_tokens_fake)
     torch.library.register_fake("trtspec::rms_norm")(_rms_norm_fake)
     torch.library.register_fake("trtspec::rope_qkv")(_rope_qkv_fake)
     torch.library.register_fake("trtspec::silu_mul")(_silu_mul_fake)
@@ -80,6 +81,9 @@ def c_shims() -> dict:
         torch.ops.trtspec.attention_rows.default: [
             "AOTITorchError aoti_torch_cpu_attention_rows(AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v, "
             "AtenTensorHandle mask, double scale, double softcap, AtenTensorHandle* ret0)"],
+        torch.ops.trtspec.attention_rows_tokens.default: [
+            "AOTITorchError aoti_torch_cpu_attention_rows_tokens(AtenTensorHandle q, AtenTensorHandle k, "
+            "AtenTensorHandle v, AtenTensorHandle mask, double scale, double softcap, AtenTensorHandle* ret0)"],
         torch.ops.trtspec.rms_norm.default: [
             "AOTITorchError aoti_torch_cpu_rms_norm(AtenTensorHandle x, AtenTensorHandle weight, double eps, "
             "AtenTensorHandle* ret0)"],
@@ -98,6 +102,10 @@ def _fake(x, packed, n, k, bits, group, zero, has_min, half_scales, int8_activat
 
 def _attention_fake(q, k, v, mask, scale, softcap):
     return q.new_empty(q.shape)
+
+
+def _attention_tokens_fake(q, k, v, mask, scale, softcap):
+    return q.new_empty((q.shape[0], q.shape[2], q.shape[1] * q.shape[3]))
 
 
 def _rms_norm_fake(x, weight, eps):
@@ -152,6 +160,14 @@ def attention_rows_live(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     (not broadcast): the op alone, no cut views or expand to trace (the compiled step's attention)."""
     load()
     return torch.ops.trtspec.attention_rows(q, k, v, mask, scale, softcap or 0.0)
+
+
+def attention_rows_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                          softcap: float | None = None) -> torch.Tensor:
+    """attention_rows_live's rows, the same bits, as [B, T, H * D] (the output projection's input): one traced op
+    where the op and a transpose and a flatten were three."""
+    load()
+    return torch.ops.trtspec.attention_rows_tokens(q, k, v, mask, scale, softcap or 0.0)
 
 
 def status() -> dict:

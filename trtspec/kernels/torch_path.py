@@ -17,7 +17,9 @@ from . import layout
 SCHEMA = ("gguf_linear(Tensor x, Tensor packed, int n, int k, int bits, int group, int zero, bool has_min, "
           "bool half_scales, bool int8_activations) -> Tensor")
 ATTENTION_SCHEMA = "attention_rows(Tensor q, Tensor k, Tensor v, Tensor mask, float scale, float softcap) -> Tensor"
-STEP_SCHEMAS = {"rms_norm": "rms_norm(Tensor x, Tensor weight, float eps) -> Tensor",
+STEP_SCHEMAS = {"attention_rows_tokens": "attention_rows_tokens(Tensor q, Tensor k, Tensor v, Tensor mask, float scale, "
+                                         "float softcap) -> Tensor",
+                "rms_norm": "rms_norm(Tensor x, Tensor weight, float eps) -> Tensor",
                 "rope_qkv": "rope_qkv(Tensor qkv, Tensor cos, Tensor sin, int heads, int kv_heads) -> "
                             "(Tensor, Tensor, Tensor)",
                 "silu_mul": "silu_mul(Tensor x) -> Tensor"}
@@ -75,6 +77,10 @@ def attention_rows(q, k, v, mask, scale, softcap):
     return (probs[..., None] * v[:, :, None, None]).sum(-2).flatten(1, 2)
 
 
+def attention_rows_tokens(q, k, v, mask, scale, softcap):
+    return attention_rows(q, k, v, mask, scale, softcap).transpose(1, 2).flatten(2)
+
+
 def rms_norm(x, weight, eps):
     # csrc/step_ops.cpp's in plain torch (HF's LlamaRMSNorm; torch's own order of the mean's sum)
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
@@ -97,8 +103,8 @@ def silu_mul(x):
 
 
 def register() -> None:
-    """Define torch.ops.trtspec.gguf_linear, attention_rows, rms_norm, rope_qkv, silu_mul (and the path ops) in
-    Python."""
+    """Define torch.ops.trtspec.gguf_linear, attention_rows (and its tokens-major form), rms_norm, rope_qkv, silu_mul
+    (and the path ops) in Python."""
     global _library
     if _library is not None:
         return

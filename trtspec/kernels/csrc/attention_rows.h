@@ -131,7 +131,7 @@ void attention_rows_of(const AttentionArgs& a, int64_t r0, int64_t r1, float* __
     for (int c = 0; c < C; ++c) qv[c] = load16(q + c * kLanes);
     int64_t lo, hi;
     visible_span(m, a.S, a.ms, lo, hi);
-    float* o = a.out + row * a.D;
+    float* o = a.out + (a.tokens_major ? (b * a.T + t) * a.H + h : row) * a.D;
     if (lo == hi) {  // no key visible
       for (int64_t d = 0; d < a.D; ++d) o[d] = std::numeric_limits<float>::quiet_NaN();
       continue;

@@ -142,11 +142,12 @@ struct AttentionArgs {
   const float* k;          // key cache: element (b, kh, s, d) at k[b * kb + kh * kt + s * D + d]
   const float* v;          // value cache: v[b * vb + kh * vt + s * D + d]
   const bool* mask;        // mask (b, t, s) at mask[b * mb + t * mt + s * ms]
-  float* out;              // [B, H, T, D] contiguous
+  float* out;              // [B, H, T, D] contiguous, or [B, T, H, D] (tokens_major: the output projection's input)
   int64_t B, H, Hkv, T, S, D;
   int64_t kb, kt, vb, vt;
   int64_t mb, mt, ms;
   float scale, softcap;    // softcap 0: none
+  bool tokens_major = false;
 };
 
 // Each computes output panels [p0, p1) for all m rows: y [m, ldy] float32, columns 16 * p ...

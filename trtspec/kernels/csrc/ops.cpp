@@ -197,8 +197,8 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
 // (a KV cache: any batch and head strides), of which the first S = mask.size(3) slots are read (the live ones: no
 // cut view of the cache to trace); mask bool [B, 1, T, S] (broadcast strides allowed) -> [B, H, T, D]. Rows are split
 // between threads, never a row's keys.
-at::Tensor attention_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
-                          double scale, double softcap) {
+at::Tensor attention_rows_as(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
+                             double scale, double softcap, bool tokens_major) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
               "attention_rows: q, k and v must be float32");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && mask.dim() == 4,
@@ -212,18 +212,30 @@ at::Tensor attention_rows(const at::Tensor& q, const at::Tensor& k, const at::Te
   TORCH_CHECK(mask.scalar_type() == at::kBool && mask.size(0) == B && mask.size(1) == 1 && mask.size(2) == T,
               "attention_rows: mask must be bool [B, 1, T, S], got ", mask.sizes());
   const at::Tensor qc = q.contiguous();
-  at::Tensor out = at::empty({B, H, T, D}, q.options());
+  at::Tensor out = tokens_major ? at::empty({B, T, H * D}, q.options()) : at::empty({B, H, T, D}, q.options());
   if (out.numel() == 0) return out;
   AttentionArgs a{qc.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), mask.data_ptr<bool>(),
                   out.data_ptr<float>(), B, H, Hkv, T, S, D, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                   mask.stride(0), mask.stride(2), mask.stride(3), static_cast<float>(scale),
-                  static_cast<float>(softcap)};
+                  static_cast<float>(softcap), tokens_major};
   const Path* path = g_path;
   parallel_chunks(B * H * T, [&](int64_t r0, int64_t r1) {
     std::vector<float> scratch((S + 15) / 16 * 16 + D);
     path->attention(a, r0, r1, scratch.data());
   });
   return out;
+}
+
+at::Tensor attention_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
+                          double scale, double softcap) {
+  return attention_rows_as(q, k, v, mask, scale, softcap, false);
+}
+
+// torch.ops.trtspec.attention_rows_tokens: the same rows, the same bits, written as [B, T, H * D], the output
+// projection's input (one traced op where attention_rows was followed by a transpose and a flatten).
+at::Tensor attention_rows_tokens(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
+                                 double scale, double softcap) {
+  return attention_rows_as(q, k, v, mask, scale, softcap, true);
 }
 
 // "" -> the path in use; a name -> use that path from now on (it must run on this CPU), returning it.
@@ -256,6 +268,7 @@ TORCH_LIBRARY_FRAGMENT(trtspec, m) {  // a fragment: exporter/ defines other trt
   m.def("gguf_linear(Tensor x, Tensor packed, int n, int k, int bits, int group, int zero, bool has_min, "
         "bool half_scales, bool int8_activations) -> Tensor");
   m.def("attention_rows(Tensor q, Tensor k, Tensor v, Tensor mask, float scale, float softcap) -> Tensor");
+  m.def("attention_rows_tokens(Tensor q, Tensor k, Tensor v, Tensor mask, float scale, float softcap) -> Tensor");
   m.def("gguf_kernel_path(str name='') -> str", &trtspec_gguf::gguf_kernel_path);
   m.def("gguf_kernel_paths() -> str[]", &trtspec_gguf::gguf_kernel_paths);
 }
@@ -263,6 +276,7 @@ TORCH_LIBRARY_FRAGMENT(trtspec, m) {  // a fragment: exporter/ defines other trt
 TORCH_LIBRARY_IMPL(trtspec, CPU, m) {
   m.impl("gguf_linear", &trtspec_gguf::gguf_linear);
   m.impl("attention_rows", &trtspec_gguf::attention_rows);
+  m.impl("attention_rows_tokens", &trtspec_gguf::attention_rows_tokens);
 }
 
 // ---- C shims: AOTInductor's generated code calls these directly (torch._inductor.config.aot_inductor.
@@ -289,6 +303,17 @@ __attribute__((visibility("default"))) AOTITorchError aoti_torch_cpu_attention_r
   using torch::aot_inductor::tensor_handle_to_tensor_pointer;
   AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
     *ret0 = torch::aot_inductor::new_tensor_handle(trtspec_gguf::attention_rows(
+        *tensor_handle_to_tensor_pointer(q), *tensor_handle_to_tensor_pointer(k), *tensor_handle_to_tensor_pointer(v),
+        *tensor_handle_to_tensor_pointer(mask), scale, softcap));
+  });
+}
+
+__attribute__((visibility("default"))) AOTITorchError aoti_torch_cpu_attention_rows_tokens(
+    AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v, AtenTensorHandle mask, double scale, double softcap,
+    AtenTensorHandle* ret0) {
+  using torch::aot_inductor::tensor_handle_to_tensor_pointer;
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    *ret0 = torch::aot_inductor::new_tensor_handle(trtspec_gguf::attention_rows_tokens(
         *tensor_handle_to_tensor_pointer(q), *tensor_handle_to_tensor_pointer(k), *tensor_handle_to_tensor_pointer(v),
         *tensor_handle_to_tensor_pointer(mask), scale, softcap));
   });
