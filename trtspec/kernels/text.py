@@ -81,14 +81,15 @@ class ByteLevelBPE:
             return False
         if text.isascii():
             return True
-        new = {c for c in set(text) if ord(c) >= 128} - self._classes.keys()
+        wide = {c for c in set(text) if ord(c) >= 128}
+        new = wide - self._classes.keys()
         if new:
             classed = {c: self._class(c) for c in new}
             self._classes.update(classed)
             known = [(ord(c), k) for c, k in classed.items() if k]
             if known:
                 self._native.set_classes(torch.tensor([c for c, _ in known]), torch.tensor([k for _, k in known]))
-        return all(self._classes.get(c, 1) for c in set(text))
+        return all(self._classes[c] for c in wide)
 
     def encode(self, texts: list[str]) -> list[np.ndarray]:
         """Each text's ids (int64), as the HF tokenizer gives them without special tokens."""
