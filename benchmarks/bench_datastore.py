@@ -1,14 +1,15 @@
 """Suffix decoding over a datastore (runtime/drafters/datastore.py) on the real model: what an index of CPython's
-Lib/ adds to suffix decoding, and what the index costs to build, hold and look up.
+Lib/ adds to suffix decoding (and to `auto`), and what the index costs to build, hold and look up.
 
     python benchmarks/bench_datastore.py [--engine engines/smollm2-torch-int8x] [--rounds 3] [--prompts 8]
         [--tokens 128] [--out benchmarks/results/datastore] [--index-only]
 
 The engine is `make demo`'s (SmolLM2-135M-Instruct's Q4_1 GGUF, torch, --int8-activations), 2 threads, greedy, each
-prompt alone. Three configurations take turns in each round, a workload's prompts each (the order rotated), each a
+prompt alone. The configurations take turns in each round, a workload's prompts each (the order rotated), each a
 fresh Generator per workload and round (no earlier outputs carried between rounds; within one, as a served process,
-earlier outputs and the drafter's calibration carry from prompt to prompt): the target alone, suffix decoding, and
-suffix decoding over the index. Workloads:
+earlier outputs and the drafter's calibration carry from prompt to prompt): the target alone (`--drafter none`),
+suffix decoding, and suffix decoding over the index; where the engine carries a head, `auto` (the head and suffix
+decoding) alone and over the index too. Workloads:
 - humaneval: 8 HumanEval problems in the model's chat template, a set of our own (offset from bench_real's);
 - repo: 8 cuts of files from packages inside the index (json, email, http, ...), the file's first lines as a raw
   completion prompt, the model continuing the code;
@@ -148,8 +149,14 @@ def run_prompt(gen, ids: list[int], tokens: int) -> dict:
 
 def measure(engine, workloads: dict, stores: dict, args) -> dict:
     from trtspec import Generator
+    from trtspec.runtime.drafters.auto import carried_head
 
-    configs = {"target alone": {}, "suffix": {"drafter": "suffix"}, "suffix + index": {"drafter": "suffix"}}
+    # ("none": the engine's own default drafts where it carries a head; "auto": the head and suffix decoding, where
+    # the engine carries a head)
+    configs = {"target alone": {"drafter": "none"}, "suffix": {"drafter": "suffix"},
+               "suffix + index": {"drafter": "suffix"}}
+    if carried_head(engine) is not None:
+        configs.update({"auto": {"drafter": "auto"}, "auto + index": {"drafter": "auto"}})
     cells: dict = {w: {c: [] for c in configs} for w in workloads}
     order = list(configs)
     for rnd in range(args.rounds):
@@ -158,7 +165,7 @@ def measure(engine, workloads: dict, stores: dict, args) -> dict:
             # Generator's loop thread keeps an OpenMP pool, and two alive at once on 2 cores slow every call
             shift = rnd % len(order)
             for c in order[shift:] + order[:shift]:
-                options = {**configs[c], **({"datastore": str(stores[w])} if c == "suffix + index" else {})}
+                options = {**configs[c], **({"datastore": str(stores[w])} if c.endswith(" + index") else {})}
                 gen = Generator(engine, max_batch=1, num_threads=2, **options)
                 cells[w][c].append([run_prompt(gen, p["ids"], args.tokens) for p in prompts])
                 gen.close()

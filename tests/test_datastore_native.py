@@ -88,3 +88,31 @@ def test_the_native_suffix_array_equals_the_numpy_one(seed, vocab, depth):
     assert native.dtype == reference.dtype == np.uint32
     np.testing.assert_array_equal(native, reference)
     assert suffix_array(text[:1], depth).tolist() == [0]
+
+
+def _threads() -> int:
+    return len(list(Path("/proc/self/task").iterdir()))
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts the process's threads in /proc")
+def test_building_an_index_leaves_no_openmp_workers_behind(tmp_path):
+    # the native encoder and sort run OpenMP regions on the calling thread; the pool they leave made every engine
+    # call of the same process 5x slower (two pools spinning on 2 cores), so the index build lets it go
+    import torch
+
+    from trtspec.runtime.drafters.datastore import build_index
+
+    before_threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        tok = make_tokenizer(vocab_size=320)
+        for i in range(4):
+            (tmp_path / "src" / f"m{i}.py").parent.mkdir(exist_ok=True)
+            (tmp_path / "src" / f"m{i}.py").write_text(f"def f{i}(x):\n    return x * {i}  # {'é' * i}\n" * 50)
+        build_index([tmp_path / "src"], tmp_path / "first", tokenizer=tok)  # (the tokenizer's own pools start)
+        kernels.release_openmp_workers()
+        before = _threads()
+        build_index([tmp_path / "src"], tmp_path / "second", tokenizer=tok)
+        assert _threads() == before
+    finally:
+        torch.set_num_threads(before_threads)

@@ -24,6 +24,7 @@ import numpy as np
 
 from ..errors import ArtifactError, BackendUnavailableError
 from ..exporter.contract import max_call_tokens
+from ..kernels import release_openmp_workers
 from .base import CallGuard, TorchCacheRows, chain_mask, check_call, forward_greedy_steps, ring_rows
 
 PACKAGE = "step.pt2"
@@ -83,20 +84,6 @@ def require_native_kernels(what: str) -> None:
             f"{what} runs trtspec's compiled GGUF kernels, which could not be built on this machine "
             f"({kernels.status().get('reason')}). Install a C++ compiler (Debian: apt install g++) or point "
             "TRTSPEC_CXX at one, then load it again; or use an onnxruntime engine of the same export")
-
-
-def release_openmp_workers() -> None:
-    """Let the calling thread's idle OpenMP workers exit (OpenMP 5's omp_pause_resource_all, in the libgomp torch
-    loaded). libgomp keeps a pool of workers per thread that ran parallel work; while the process holds more of them
-    than it has CPUs, every pool spins only briefly before sleeping, and each of a call's ~500 parallel regions then
-    pays a wake-up: a decode call from the scheduler's thread took 15.5 ms against 10.3 from the thread that loaded
-    the engine. Loading makes the loading thread a pool; the engine's calls come from the scheduler's."""
-    import ctypes
-
-    try:
-        ctypes.CDLL("libgomp.so.1").omp_pause_resource_all(1)  # omp_pause_soft
-    except (OSError, AttributeError):  # another OpenMP runtime, or none: nothing to release
-        pass
 
 
 class TorchAOTEngine(TorchCacheRows):

@@ -170,6 +170,19 @@ def attention_rows_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mas
     return torch.ops.trtspec.attention_rows_tokens(q, k, v, mask, scale, softcap or 0.0)
 
 
+def release_openmp_workers() -> None:
+    """Let the calling thread's idle OpenMP workers exit (OpenMP 5's omp_pause_resource_all, in the libgomp torch
+    loaded). libgomp keeps a pool of workers per thread that ran parallel work; while the process holds more of them
+    than it has CPUs, every pool spins only briefly before sleeping, and each of a call's ~500 parallel regions then
+    pays a wake-up: a decode call from the scheduler's thread took 15.5 ms against 10.3 from the thread that loaded
+    the engine, and Generators made after an index was built in the same process decoded 5x slower. Loading an
+    engine and building an index (text.py) release theirs; the engine's calls come from the scheduler's thread."""
+    try:
+        ctypes.CDLL("libgomp.so.1").omp_pause_resource_all(1)  # omp_pause_soft
+    except (OSError, AttributeError):  # another OpenMP runtime, or none: nothing to release
+        pass
+
+
 def status() -> dict:
     """{"backend": "native" | "torch", "library" or "reason", "path": the ISA path in use}."""
     load()
