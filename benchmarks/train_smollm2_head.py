@@ -73,7 +73,9 @@ def _evaluations(report: dict) -> list[dict]:
 
 def _training(report: dict) -> str:
     t, d = report["training"], report["data"]
-    text = (f"{t['steps']} steps of {t['batch']} sequences (windows of at most {t['seq']} positions) on "
+    rows = (f"{t['batch']} rows of {t['seq']} positions, each packed with several answers' windows"
+            if t.get("rows") == "packed" else f"{t['batch']} sequences (windows of at most {t['seq']} positions)")
+    text = (f"{t['steps']} steps of {rows} on "
             f"{d['answers']:,} answers, AdamW, peak lr {t['peak_lr']}, warmup then cosine, {t['train_minutes']:.1f} "
             f"min on {report.get('cpu', 'a 2-core CPU')} ({t['device']}, bfloat16 autocast "
             f"{'on' if t['bf16_autocast'] else 'off'}, {t['positions_per_s_this_run']:.0f} answer positions a second)")

@@ -120,3 +120,49 @@ def test_training_on_from_a_head_starts_from_its_weights_and_vocabulary(engine, 
     with pytest.raises(DistillError, match="vocabulary of 48 tokens"):
         eagle3_engine.distill_eagle3_engine(engine, tmp_path / "other", steps=1, draft_vocab=64,
                                             init=tmp_path / "first", **options)
+
+
+def test_packed_rows_hold_every_answer_once_an_epoch_and_the_head_attends_within_each_answer(engine, tmp_path):
+    """Training rows pack several answers' windows end to end: an epoch's rows hold each answer once, batches take
+    the epochs' rows in turn, and the head's outputs on a packed row equal its outputs on each window alone (from
+    place j on at step j: what the loss counts)."""
+    import torch
+
+    from trtspec.distill.eagle3_engine import Batches
+    from trtspec.heads.eagle3 import Eagle3Config, make_head
+
+    write_target_data(engine, tmp_path, _requests(6), max_new_tokens=24)
+    data = TargetData(tmp_path)
+    vocab = load_engine(engine).manifest["model"]["vocab_size"]
+    batches = Batches(data, np.arange(vocab), seq=64, seed=3, pack=True)
+    lengths = {i: min(int(data.offsets[i + 1] - data.offsets[i]) - 2, 64) for i in batches.usable}
+    rows = batches._packed_rows(0)
+    assert sorted(i for row in rows for i in row) == sorted(batches.usable)
+    assert all(sum(lengths[i] for i in row) <= 64 for row in rows) and len(rows) < len(batches.usable)
+    stream = rows + batches._packed_rows(1) + batches._packed_rows(2)
+    for step in range(3):
+        places = batches.batch(step, 2)[5]
+        # each row's places restart at 0 where its windows start: the rows stream[2 * step], stream[2 * step + 1]
+        for r, row in enumerate(stream[2 * step : 2 * step + 2]):
+            starts = np.cumsum([0] + [lengths[i] for i in row])[:-1]
+            assert (np.flatnonzero(places[r].numpy() == 0)[: len(row)] == starts).all()
+
+    torch.manual_seed(0)
+    feats_size = batches.make([(batches.usable[0], None)])[0].shape[-1] // 3
+    head = make_head(Eagle3Config(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                  vocab_size=vocab, draft_vocab_size=vocab, target_hidden_size=feats_size)).eval()
+    row = max(rows, key=len)
+    assert len(row) >= 2
+    feats, toks, ids, w, mask, places = batches.make([[(i, None) for i in row]])
+    alone = [batches.make([(i, None)]) for i in row]
+    with torch.no_grad():
+        packed = head.forward_steps(feats, toks, 4, hidden_only=True, positions=places)
+        each = [head.forward_steps(a[0], a[1], 4, hidden_only=True) for a in alone]
+    at = 0
+    for a, outs in zip(alone, each):
+        n = a[1].shape[1]
+        torch.testing.assert_close(feats[0, at : at + n], a[0][0])
+        assert torch.equal(mask[0, at : at + n], a[4][0])
+        for j in range(4):
+            torch.testing.assert_close(packed[j][0, at + j : at + n], outs[j][0, j:], atol=1e-5, rtol=1e-5)
+        at += n

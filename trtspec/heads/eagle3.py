@@ -178,21 +178,27 @@ def make_head(config: Eagle3Config):
         def logits(self, hidden):
             return self.lm_head(self.norm(hidden))
 
-        def forward_steps(self, features, tokens, steps: int, hidden_only: bool = False):
+        def forward_steps(self, features, tokens, steps: int, hidden_only: bool = False, positions=None):
             """Training with test-time steps (EAGLE-3's "training-time test"): features [B, N, 3H_t] of positions
             0..N-1, tokens [B, N] the token after each position. Step 0 reads the target's features; step j reads
             step j-1's output at the position before, attending to step-0 keys up to q - j and to step i's key at
             q - j + i, as the head does when it drafts j tokens past what the target verified.
+            ``positions`` [B, N]: each position's place in its sequence where a row packs several (0 where one
+            starts; attention stays within a sequence); default 0..N-1, one sequence a row. Step j's output at a
+            position is the sequence's own only from place j on (what a loss may count).
             Returns the logits [B, N, V_draft] of every step (position q predicts token q + 2), or with
             ``hidden_only`` the hidden states [B, N, H] they come from (logits(h) on the positions that count)."""
             b, n, _ = features.shape
-            positions = torch.arange(n, device=features.device).expand(b, n)
+            idx = torch.arange(n, device=features.device)
+            if positions is None:
+                positions = idx.expand(b, n)
+            # a key is another sequence's where it lies before the query's sequence starts: [B, 1, N, N]
+            other = (idx[None, None, :] < (idx - positions)[:, :, None])[:, None]
             emb = self.embed_tokens(tokens)
             hidden = self.fc(features)
             rep = c.num_attention_heads // c.num_key_value_heads
             keys, values, out = [], [], []
             scale = c.head_dim ** -0.5
-            idx = torch.arange(n, device=features.device)
             for j in range(steps):
                 q, k, v = self.qkv(emb, hidden, positions)
                 k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
@@ -200,7 +206,7 @@ def make_head(config: Eagle3Config):
                 values.append(v)
                 # step-0 keys at positions <= q - j
                 s0 = (q @ keys[0].transpose(-1, -2)) * scale
-                s0 = s0.masked_fill(idx[None, :] > idx[:, None] - j, float("-inf"))
+                s0 = s0.masked_fill((idx[None, :] > idx[:, None] - j) | other, float("-inf"))
                 diag_s, diag_v = [], []
                 for i in range(1, j + 1):  # step i's key at q - (j - i): shifted right by j - i
                     shift = j - i
@@ -210,7 +216,7 @@ def make_head(config: Eagle3Config):
                         vi = F.pad(vi[:, :, : n - shift], (0, 0, shift, 0))
                     si = (q * ki).sum(-1, keepdim=True) * scale
                     if shift:
-                        si = si.masked_fill((idx < shift)[:, None], float("-inf"))
+                        si = si.masked_fill((positions < shift)[:, None, :, None], float("-inf"))
                     diag_s.append(si)
                     diag_v.append(vi)
                 scores = torch.cat([s0, *diag_s], dim=-1)
