@@ -12,8 +12,10 @@
    answers' stored features, its work directory models/bench/smollm2-eagle3/head (a stopped run resumes there);
    (--init HEAD --run NAME: the head HEAD trained on, in models/bench/smollm2-eagle3/NAME: the shipped head is
    the first run's, 926 steps on 2,625 answers, trained on with --init --lr 1e-3 --minutes 60 once the engine had
-   answered every request then asked, 4,715, then with --init again once it had answered the completion requests
-   and written a sampled answer to each chat and HumanEval request);
+   answered every request then asked, 4,715, then, once it had answered the completion requests and written a
+   sampled answer to each chat and HumanEval request (11,996 answers), with `--init models/smollm2-135m-eagle3
+   --run head4 --out models/bench/smollm2-eagle3/out4 --data-tokens 0 --minutes 75 --lr 8e-4 --eval-every 250`
+   on packed rows (61 minutes, 890 steps), its out4 copied over the shipped head);
 4. stores the head in float16, without the embedding (the target's), in --out with its report and a model card.
 
 --text: botchan.txt from the sentencepiece sdist (`pip download --no-deps --no-binary :all: sentencepiece`); without
