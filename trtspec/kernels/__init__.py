@@ -176,7 +176,8 @@ def release_openmp_workers() -> None:
     than it has CPUs, every pool spins only briefly before sleeping, and each of a call's ~500 parallel regions then
     pays a wake-up: a decode call from the scheduler's thread took 15.5 ms against 10.3 from the thread that loaded
     the engine, and Generators made after an index was built in the same process decoded 5x slower. Loading an
-    engine and building an index (text.py) release theirs; the engine's calls come from the scheduler's thread."""
+    engine and building an index (datastore.build_index) release theirs; the engine's calls come from the scheduler's
+    thread."""
     try:
         ctypes.CDLL("libgomp.so.1").omp_pause_resource_all(1)  # omp_pause_soft
     except (OSError, AttributeError):  # another OpenMP runtime, or none: nothing to release

@@ -20,7 +20,6 @@ import re
 import numpy as np
 import torch
 
-from . import release_openmp_workers
 
 log = logging.getLogger("trtspec.kernels")
 
@@ -104,7 +103,6 @@ class ByteLevelBPE:
             ids, counts = self._native.encode(torch.frombuffer(bytearray(b"".join(data)), dtype=torch.uint8)
                                               if starts[-1] else torch.zeros(0, dtype=torch.uint8),
                                               torch.from_numpy(starts))
-            release_openmp_workers()  # (its threads' pool: kept, it would slow the engines' calls 5x)
             parts = np.split(ids.numpy().astype(np.int64), np.cumsum(counts.numpy())[:-1])
             for i, part in zip(native, parts):
                 out[i] = part
@@ -142,5 +140,4 @@ def suffix_array(values: np.ndarray, bits: int, depth: int) -> np.ndarray | None
     if load() != "native":
         return None
     order = torch.ops.trtspec.suffix_array(torch.from_numpy(values.astype(np.int32)), bits, depth)
-    release_openmp_workers()
     return order.numpy().view(np.uint32)

@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from ...errors import ArtifactError
+from ...kernels import release_openmp_workers
 from ...kernels import text as text_kernels
 from ...manifest import atomic_artifact
 from ...progress import Progress
@@ -212,6 +213,8 @@ def build_index(paths, out_dir, *, tokenizer, patterns=DEFAULT_PATTERNS) -> Path
     t1 = time.perf_counter()
     log.info("sorting %d tokens' suffixes", reverse.size)
     sa = suffix_array(reverse)
+    # the native tokenizer's and sort's OpenMP pool on this thread: kept, it would slow the engines' calls 5x
+    release_openmp_workers()
     manifest = {"format": FORMAT, "tokens": int(reverse.size), "width": width, "sep": sep, "depth": DEPTH,
                 "tokenizer": fingerprint, "sources": entries,
                 "build": {"seconds": None, "tokenize_seconds": round(t1 - t0, 3), "text_bytes": text_bytes,
