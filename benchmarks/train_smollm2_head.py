@@ -15,7 +15,10 @@
    answered every request then asked, 4,715, then, once it had answered the completion requests and written a
    sampled answer to each chat and HumanEval request (11,996 answers), with `--init models/smollm2-135m-eagle3
    --run head4 --out models/bench/smollm2-eagle3/out4 --data-tokens 0 --minutes 75 --lr 8e-4 --eval-every 250`
-   on packed rows (61 minutes, 890 steps), its out4 copied over the shipped head);
+   on packed rows (61 minutes, 890 steps), then, with a second sampled answer to each chat and HumanEval request
+   (14,318 answers), `--init models/smollm2-135m-eagle3 --run head5 --out models/bench/smollm2-eagle3/out5
+   --samples 2 --minutes 40 --lr 6e-4 --eval-every 250` (the answers written first, then 37 minutes, 571 steps),
+   its out5 copied over the shipped head);
 4. stores the head in float16, without the embedding (the target's), in --out with its report and a model card.
 
 --text: botchan.txt from the sentencepiece sdist (`pip download --no-deps --no-binary :all: sentencepiece`); without
