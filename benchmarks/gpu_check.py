@@ -19,6 +19,9 @@ Stages, in this order (each stops at its budget, records why, and the next one s
   calls            the 1.5B engine's call cost at T = 1, 5 and 17, chains and token trees (calls_pair: the bundled
                    target's float32 engine, after parity)
   parity_bf16, speculative_bf16   the first two again in bfloat16
+  runtime, oracle, aot_cuda   gpu_round.py: Generator against the device loop, a drafter of known acceptance, the
+                   AOTInductor build for the device against HF. Issue 74's run, about 6 minutes on an H200:
+    python benchmarks/gpu_check.py --stages env,bandwidth,decode,runtime,oracle,aot_cuda --shapes 1.5B --no-hf ...
 
 All stages take about 15 minutes on an H200, most of it compiling: within a lent machine's 8-minute calls, run them
 as two calls (each prints its table; --cache carries the compiled kernels from the first to the second):
@@ -49,6 +52,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import gpu_round  # noqa: E402  (issue 74's stages: runtime, oracle, aot_cuda)
 
 # Qwen2.5-0.5B and -1.5B shapes (their config.json files); smoke: the same layout, tiny
 SHAPES = {
@@ -495,7 +500,9 @@ STAGES = {"env": stage_env, "bandwidth": stage_bandwidth, "parity": stage_parity
           "calls_pair": lambda ctx: stage_calls(ctx, "stdlib-target"), "speculative": speculative,
           "decode": stage_decode, "calls": stage_calls,
           "parity_bf16": lambda ctx: stage_parity(ctx, "bfloat16"),
-          "speculative_bf16": lambda ctx: speculative(ctx, "bfloat16", "speculative_bf16")}
+          "speculative_bf16": lambda ctx: speculative(ctx, "bfloat16", "speculative_bf16"),
+          **gpu_round.STAGES}
+BUDGETS.update(gpu_round.BUDGETS)
 
 
 # ---------------------------------------------------------------------------------------------------- run
@@ -589,6 +596,7 @@ def markdown(r: dict) -> str:
                          f"{cfg['tokens_per_target_call']:.2f} | {cfg['equals_target_alone']} |")
         for name, h in v.get("hf", {}).items():
             lines.append(f"| {name} | {h['tok_s']:.0f} | | | {h['equals_trtspec_target_alone']} |")
+    lines += gpu_round.markdown(r)
     return "\n".join(lines) + "\n"
 
 

@@ -229,11 +229,29 @@ def test_float_engine_of_a_tree_export_equals_hf_with_trees_and_features(exporte
 def test_float_engine_equals_hf_on_other_families(arch, exported, model_dir, hf_model, tmp_path):
     """Qwen3 (q/k norms), Gemma 2 (soft-capped attention: a custom op whose fake result must have the real one's
     layout, and sliding-window layers) and Phi-3 (one fused qkv projection), built for torch: HF's logits on a
-    prefill chunk, a decode call and a verify-sized call."""
-    engine = load_engine(trtspec.build(exported(arch), tmp_path / "e", backend="torch"))
+    prefill chunk, a decode call and a verify-sized call. Phi-3 is built as a CUDA build is: no live-length input,
+    every call attends the whole capacity. The engine's greedy loop, its tokens kept as tensors, gives the tokens
+    of a loop over forward."""
+    from trtspec.engines.base import forward_greedy_steps
+    from trtspec.torch_backend.aot import build_torch
+
+    export = exported(arch)
+    if arch == "phi3":
+        manifest = json.loads((export / "manifest.json").read_text())
+        engine = load_engine(build_torch(export, manifest, tmp_path / "e", live=False))
+        assert engine.manifest["build"]["live"] is False and not engine._live_input
+    else:
+        engine = load_engine(trtspec.build(export, tmp_path / "e", backend="torch"))
     ids = random_ids(12, seed=1)
     want = hf_logits(hf_model(model_dir(arch)), ids)
     engine.reset()
     for start, end in ((0, 7), (7, 8), (8, 12)):
         got = engine.forward(ids[None, start:end], np.arange(start, end)[None])
         np.testing.assert_allclose(got[0], want[start:end], atol=TOL, rtol=0)
+    loops = []
+    for loop in (engine.greedy_steps, lambda *a: forward_greedy_steps(engine, *a)):
+        engine.reset()
+        tokens = []
+        assert loop(0, int(ids[0]), 0, 40, lambda t: tokens.append(t) or len(tokens) < 30)[0] == 30
+        loops.append(tokens)
+    assert loops[0] == loops[1]

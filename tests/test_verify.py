@@ -272,17 +272,6 @@ def test_greedy_speculative_list_of_12_through_4_rows_equals_target_only_alone(c
         for i in differ)
 
 
-def test_coupled_samplings_noise_is_numpys_gumbel():
-    """The Gumbel noise of coupled sampling, vectorised, is numpy's Gumbel from the same stream, to within an ulp,
-    over enough draws that its tail is there (the largest of 2**20 standard Gumbels is ~14)."""
-    from trtspec.runtime.verify import gumbel
-
-    ours = gumbel(np.random.default_rng([7, 3]), 1 << 20)
-    numpys = np.random.default_rng([7, 3]).gumbel(size=1 << 20)
-    np.testing.assert_allclose(ours, numpys, rtol=4e-16, atol=4e-15)
-    assert ours.max() > 10 and ours.min() < -2
-
-
 @pytest.mark.parametrize("mode", ["greedy", "coupled", "rejection"])
 def test_a_chain_verifies_as_the_tree_whose_parents_are_j_minus_1(mode):
     """One acceptance for chains and trees (verify.RowSampler.verify): a chain given as parents None and the same

@@ -83,6 +83,7 @@ class TensorRTEngine(CacheRows):
     """A TensorRT plan with in-place KV cache bindings. Not thread-safe: see engines/base.py (Engine)."""
 
     backend = "tensorrt"
+    tensor_logits = True  # forward(..., as_tensor=True) leaves the logits on the GPU
 
     def __init__(self, path: Path, manifest: dict):
         trt = import_tensorrt()
@@ -141,10 +142,11 @@ class TensorRTEngine(CacheRows):
         context.set_optimization_profile_async(index, self._stream.cuda_stream)
         return context
 
-    def forward(self, input_ids, position_ids, first_row: int = 0, tree_mask=None):
+    def forward(self, input_ids, position_ids, first_row: int = 0, tree_mask=None, as_tensor=False):
         # input_ids [B, T] int64, position_ids [B, T] int64 -> logits [B, T, V] on the host
         # tree_mask [B, T, T] bool: a tree call (a --tree export). The returned array is a view of a reused pinned
-        # buffer: valid until the next call.
+        # buffer: valid until the next call. ``as_tensor``: a view of the GPU's own logits buffer instead (no copy
+        # to the host; runtime/picks.py reads it there), valid until the next call too.
         input_ids, position_ids, tree_mask = check_call(self, input_ids, position_ids, first_row, tree_mask)
         b, t = input_ids.shape
         if tree_mask is None and self.tree_verify:
@@ -158,12 +160,15 @@ class TensorRTEngine(CacheRows):
             if self.tree_verify:
                 self._tree[: n * t].copy_(torch.from_numpy(np.ascontiguousarray(tree_mask).reshape(-1)))
             self._run(index, b, t, first_row)
-            self._host_logits[:m].copy_(self._logits[:m], non_blocking=True)
+            if not as_tensor:
+                self._host_logits[:m].copy_(self._logits[:m], non_blocking=True)
             if self.features_size:
                 f = self._hidden[: n * self.features_size].float().cpu()
             self._stream.synchronize()
         if self.features_size:
             self.features = f.numpy().reshape(b, t, self.features_size)
+        if as_tensor:
+            return self._logits[:m].view(b, t, self.vocab_size)
         return self._host_logits[:m].numpy().reshape(b, t, self.vocab_size)
 
     def _run(self, index: int, b: int, t: int, first_row: int):

@@ -3,13 +3,13 @@
 The package (torch_backend/aot.py builds it) is one shared library with the weights inside; loading it compiles
 nothing and a call runs no Python per op. Its signature:
 
-    (input_ids [B, T], position_ids [B, T], tree_mask [B, T, T] | live [L], *caches) -> logits[, hidden_states]
+    (input_ids [B, T], position_ids [B, T], tree_mask [B, T, T] | live [L] | -, *caches) -> logits[, hidden_states]
 
 The caches are this engine's buffers, rows [first_row, first_row + B), written in place. A full-length cache has
 CACHE_PAD slot more than max_seq_len, never read nor written: a call attends its first L slots (live, a multiple
 of LIVE_STEP that holds every slot the call reads or writes), and a cut that can never equal the buffer keeps
 torch.export from specialising L. An engine of a tree export takes a tree_mask instead (a chain call's: the
-causal mask) and attends the whole capacity.
+causal mask) and attends the whole capacity, as a CUDA build's calls do (no live input: torch_backend/aot.py).
 
 An engine whose linear layers run trtspec's GGUF kernels needs them compiled here (trtspec/kernels); without a
 compiler it is refused with the fix, not run on a slower path.
@@ -18,6 +18,7 @@ compiler it is refused with the fix, not run on a slower path.
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import numpy as np
@@ -25,12 +26,15 @@ import numpy as np
 from ..errors import ArtifactError, BackendUnavailableError
 from ..exporter.contract import max_call_tokens
 from ..kernels import release_openmp_workers
-from .base import CallGuard, TorchCacheRows, chain_mask, check_call, forward_greedy_steps, ring_rows
+from .base import (CallGuard, TorchCacheRows, chain_mask, check_call, check_greedy_steps, forward_greedy_steps,
+                   ring_rows)
 
 PACKAGE = "step.pt2"
 CACHE_PAD = 1
 # a chain call attends the first multiple of this many slots that holds every position it reads or writes
 LIVE_STEP = 64
+# greedy_steps on a GPU reads its tokens back once per this many calls: a stop costs at most as many calls more
+GREEDY_CHUNK = 8
 
 log = logging.getLogger("trtspec.torch")
 
@@ -38,7 +42,12 @@ log = logging.getLogger("trtspec.torch")
 def live_length(position_ids: np.ndarray, max_seq_len: int) -> int:
     """The cache slots a chain call attends: every slot it reads (a position) or writes (first slot + j, pad tokens
     included), rounded up to LIVE_STEP, at most max_seq_len."""
-    last = max(int(position_ids.max()) + 1, int(position_ids[:, 0].max()) + position_ids.shape[1])
+    return live_slots(max(int(position_ids.max()) + 1, int(position_ids[:, 0].max()) + position_ids.shape[1]),
+                      max_seq_len)
+
+
+def live_slots(last: int, max_seq_len: int) -> int:
+    """``last`` slots rounded up to LIVE_STEP, at most max_seq_len."""
     return min(max_seq_len, -(-last // LIVE_STEP) * LIVE_STEP)
 
 
@@ -90,6 +99,7 @@ class TorchAOTEngine(TorchCacheRows):
     """The engine protocol (engines/base.py) over an AOTInductor package. Not thread-safe (engines/base.py)."""
 
     backend = "torch"
+    tensor_logits = True  # forward(..., as_tensor=True) leaves the logits on the device
 
     def __init__(self, path: Path, manifest: dict, *, num_threads: int | None = None):
         import torch
@@ -133,6 +143,8 @@ class TorchAOTEngine(TorchCacheRows):
                                      model["head_dim"]), dtype=dtype, device=self.device)
                         for n in model["cache_slots"] for _ in (0, 1)]
         self._slots = torch.arange(self.max_seq_len, device=self.device)
+        # a chain call's live-length input (a CUDA build has none: it attends the whole capacity)
+        self._live_input = not self.tree_verify and build.get("live", True)
         self._runner = flat_runner(torch._inductor.aoti_load_package(str(self.path / manifest["graph"])))
         release_openmp_workers()
 
@@ -141,8 +153,9 @@ class TorchAOTEngine(TorchCacheRows):
         """The KV cache buffers, [max_batch, Hkv, slots, D] each (key_0, value_0, key_1, ...)."""
         return [c[:, :, : self.max_seq_len] for c in self._caches]
 
-    def forward(self, input_ids, position_ids, first_row: int = 0, tree_mask=None, inputs=None):
-        # input_ids [B, T] int64, position_ids [B, T] int64 -> logits [B, T, V] float32 numpy (a fresh array)
+    def forward(self, input_ids, position_ids, first_row: int = 0, tree_mask=None, inputs=None, as_tensor=False):
+        # input_ids [B, T] int64, position_ids [B, T] int64 -> logits [B, T, V] float32 numpy (a fresh array), or with
+        # ``as_tensor`` the package's own output tensor on the engine's device (runtime/picks.py reads it there)
         import torch
 
         unknown = sorted(set(inputs or ()) - set(self.extra_inputs))
@@ -157,7 +170,7 @@ class TorchAOTEngine(TorchCacheRows):
         if self.tree_verify:  # a chain call passes the causal mask; a tree call attends the whole capacity
             mask = chain_mask(*input_ids.shape).copy() if tree_mask is None else tree_mask
             args.append(torch.from_numpy(mask).to(dev))
-        else:
+        elif self._live_input:
             args.append(self._slots[: live_length(position_ids, self.max_seq_len)])
         b, t = input_ids.shape
         for name, size in self.extra_inputs.items():  # (zeros where one is not given, as onnxruntime's engine)
@@ -180,10 +193,49 @@ class TorchAOTEngine(TorchCacheRows):
             logits = out[0] if self.features_size else out
             if self.features_size:
                 self.features = out[1].float().cpu().numpy()
-            return logits.float().cpu().numpy()
+            return logits if as_tensor else logits.float().cpu().numpy()
 
     def greedy_steps(self, row: int, token: int, position: int, steps: int, on_token) -> tuple[int, float]:
-        return forward_greedy_steps(self, row, token, position, steps, on_token)
+        """engines.base.greedy_steps calling the package directly (no per-call checks or numpy inputs). Off the CPU
+        the tokens stay on the device: each call's argmax feeds the next call there and the host reads the ids once
+        per GREEDY_CHUNK calls; calls past a refused token (at most a chunk's) wrote slots the mask hides and later
+        writes overwrite. Row 0 of an engine without rings, features, extra inputs or a tree input; else forward's
+        loop."""
+        import torch
+
+        if row or self._rings is not None or self.features_size or self.extra_inputs or self.tree_verify or steps < 1:
+            return forward_greedy_steps(self, row, token, position, steps, on_token)
+        check_greedy_steps(self, row, token, position, steps)
+        dev = self.device
+        positions = torch.arange(position, position + steps, device=dev).view(-1, 1, 1)
+        rows = self._rows_views.get((0, 1))
+        if rows is None:
+            rows = self._rows_views[0, 1] = [c[:1] for c in self._caches]
+        tok = torch.tensor([[token]], device=dev)
+
+        def step(i):  # the call at position + i, fed tok -> its logits
+            live = [self._slots[: live_slots(position + i + 1, self.max_seq_len)]] if self._live_input else []
+            return self._runner(tok, positions[i], *live, *rows)
+
+        t0, done = time.perf_counter(), 0
+        with self._guard, torch.no_grad():
+            if dev.type == "cpu":  # numpy's argmax over a row: 4 us against torch's 45 on the CPU
+                for i in range(steps):
+                    token = int(step(i)[0, -1].numpy().argmax())
+                    if not on_token(token):
+                        return i + 1, time.perf_counter() - t0
+                    tok = torch.tensor([[token]])
+                return steps, time.perf_counter() - t0
+            while done < steps:
+                picked = []
+                for i in range(done, min(steps, done + GREEDY_CHUNK)):
+                    tok = step(i)[:, -1].argmax(-1, keepdim=True)
+                    picked.append(tok)
+                for t in torch.cat(picked).view(-1).tolist():  # (one sync)
+                    done += 1
+                    if not on_token(t):
+                        return done, time.perf_counter() - t0
+        return steps, time.perf_counter() - t0
 
     # the cache-row operations: engines/base.TorchCacheRows over this engine's buffers
     def _cache_buffers(self):

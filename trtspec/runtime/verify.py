@@ -6,7 +6,9 @@ from __future__ import annotations
 import functools
 
 import numpy as np
+import torch
 
+from .picks import gumbel_noise, gumbel_noise_host, host_rows, target_picks
 from .sampling import SamplingParams, log_probs, logprob_entry, sample
 
 
@@ -75,17 +77,6 @@ def _owned(method):
     return call
 
 
-def gumbel(rng: np.random.Generator, size: int) -> np.ndarray:
-    """Standard Gumbel noise [size] float64: -log(-log(1 - U)), numpy's own formula for ``rng.gumbel``, vectorised
-    (numpy's loops per element: 124 us for 8192 values here against 54 us; equal to within one ulp)."""
-    u = rng.random(size)
-    np.subtract(1.0, u, out=u)
-    np.log(u, out=u)
-    np.negative(u, out=u)
-    np.log(u, out=u)
-    return np.negative(u, out=u)
-
-
 class RowSampler:
     """One request's token choices, with randomness of its own (never shared with other requests).
 
@@ -122,19 +113,34 @@ class RowSampler:
         self.plain = processor is None and params.logprobs is None
         self._logprobs: list = []  # (token, logprob, [(token, logprob), ...]) of tokens not yet taken
         self._gumbel: dict[int, np.ndarray] = {}  # coupled sampling's noise of this round's positions
+        self._device_gumbel: dict = {}  # the same on the target's device, where that is not the CPU
         p = params
         self._lazy = (processor is not None and processor.constraint is not None and p.logprobs is None
                       and (self.mode == "greedy" or (self.mode == "coupled" and p.top_k is None
                                                      and (p.top_p is None or p.top_p >= 1))))
 
     def _noise(self, position: int, size: int) -> np.ndarray:
-        # G_position: drawn once, when the draft proposes there, and read again when the target verifies it
+        # G_position (picks.gumbel_noise): drawn once, when the draft proposes there, and read again when the target
+        # verifies it
         noise = self._gumbel.get(position)
         if noise is None or noise.size != size:
-            noise = gumbel(np.random.default_rng([self.key, position]), size)
+            noise = gumbel_noise_host(self.key, position, size)
             if len(self._gumbel) >= 64:  # positions far behind are never asked for again
                 self._gumbel = {p: g for p, g in self._gumbel.items() if p > position - 32}
             self._gumbel[position] = noise
+        return noise
+
+    def noise(self, position: int, size: int, device):
+        """G_position as a float64 tensor on ``device`` (picks.target_picks): the host's own array on the CPU."""
+        device = torch.device(device)
+        if device.type == "cpu":
+            return torch.from_numpy(self._noise(position, size))
+        noise = self._device_gumbel.get(position)
+        if noise is None or noise.numel() != size or noise.device != device:
+            noise = gumbel_noise(self.key, position, size, device)
+            if len(self._device_gumbel) >= 64:
+                self._device_gumbel = {p: g for p, g in self._device_gumbel.items() if p > position - 32}
+            self._device_gumbel[position] = noise
         return noise
 
     def _process(self, logits: np.ndarray) -> np.ndarray:
@@ -239,9 +245,9 @@ class RowSampler:
         ``parents`` None is a chain (parents j - 1). ``target_logits[0]`` is the root's, ``target_logits[j + 1]``
         node j's; ``drafts[0]`` is at sequence ``position``. The walk starts at the root and at each node takes the
         target's own choice: greedy and coupled rows choose exactly as without drafts (the argmax, or the
-        Gumbel-max sample at that position; ``chosen``: the argmax of every node, computed for many rows at once)
-        and descend to the child holding that token (``accept_chosen``); a rejection-sampling row runs recursive
-        rejection over the node's children (``accept_rejection``; ``draft_probs`` [m, V], a chain's draft
+        Gumbel-max sample at that position; ``chosen``: the target's pick at every node, made where the logits are,
+        for many rows at once: picks.py) and descend to the child holding that token (``accept_chosen``); a
+        rejection-sampling row runs recursive rejection over the node's children (``accept_rejection``; ``draft_probs`` [m, V], a chain's draft
         distributions, or None: deterministic candidates). Returns (the accepted nodes from the root down, the
         next token)."""
         # drafts [m], parents [m] or None, draft_probs [m, V] or None, target_logits [m + 1, V]
@@ -264,7 +270,7 @@ class RowSampler:
         while True:
             nodes = children(node)
             candidates = [int(drafts[j]) for j in nodes]
-            if chosen is not None:  # a plain greedy row
+            if chosen is not None:  # a plain greedy or coupled row (picks.target_picks)
                 i, token = accept_chosen(candidates, int(chosen[node + 1]))
             elif self.mode == "rejection":
                 x = self._process(target_logits[node + 1])
@@ -286,14 +292,18 @@ class RowSampler:
         return path, token
 
 
-def verify_rows(samplers, drafts: np.ndarray, parents: np.ndarray | None, counts: np.ndarray, probs,
-                logits: np.ndarray, positions: np.ndarray, skip=()) -> list:
+def verify_rows(samplers, drafts: np.ndarray, parents: np.ndarray | None, counts: np.ndarray, probs, logits,
+                positions: np.ndarray, skip=(), depth: np.ndarray | None = None) -> list:
     """Every row's verdict of one verify call: (accepted nodes, next token), or the exception its own sampler
-    raised (that request's failure alone). Rows in ``skip`` (failed earlier this round) get None. Plain greedy rows
-    take their argmax over the whole call at once (one numpy call for all of them)."""
+    raised (that request's failure alone). Rows in ``skip`` (failed earlier this round) get None. ``logits`` are
+    where the engine left them (a torch tensor on its device, or numpy): plain greedy and coupled rows get the
+    target's picks made there, all at once, and only their ids come back (picks.target_picks); a row that needs its
+    logits gets its own rows on the host. ``depth`` [B, W]: a tree call's node depths (None: chains)."""
     # drafts [B, K], parents [B, K] or None (chains), counts [B], probs [B, K, V] or None, logits [B, W, V]
-    greedy = {s for s, r in enumerate(samplers) if r.plain and r.mode == "greedy" and s not in skip}
-    chosen = logits.argmax(axis=-1) if greedy else None  # (indexing the greedy rows out would copy their logits)
+    counts = np.asarray(counts)
+    width = logits.shape[1]
+    steps = np.arange(width) if depth is None else depth
+    chosen, picked = target_picks(samplers, logits, counts + 1, np.asarray(positions)[:, None] + steps, skip)
     verdicts = []
     for s, sampler in enumerate(samplers):
         if s in skip:
@@ -302,8 +312,9 @@ def verify_rows(samplers, drafts: np.ndarray, parents: np.ndarray | None, counts
         m = int(counts[s])
         try:
             verdicts.append(sampler.accept(drafts[s, :m], None if parents is None else parents[s, :m],
-                                           None if probs is None else probs[s, :m], logits[s, : m + 1],
-                                           int(positions[s]), chosen[s, : m + 1] if s in greedy else None))
+                                           None if probs is None else probs[s, :m],
+                                           None if s in picked else host_rows(logits, s, m + 1),
+                                           int(positions[s]), chosen[s, : m + 1] if s in picked else None))
         except Exception as exc:  # noqa: BLE001 - this request's own failure (a RowFault): it alone ends
             verdicts.append(exc)
     return verdicts

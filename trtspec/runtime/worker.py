@@ -10,7 +10,8 @@ one step, in the plan's order (runtime/plan.py):
      request's sampler), then the drafter reads the same chunks;
   4. the decoding rows' round: the grammar's forced tokens, the drafter's Proposal (drafters/), ONE target call
      over [last token, forced..., drafts...] per row (a tree mask where a row drafted a tree), every row's
-     verdict by the one acceptance walk (verify.verify_rows), the accepted tree path's K/V moved into place;
+     verdict by the one acceptance walk (verify.verify_rows: the logits stay on the engine's device, where the
+     target's picks are made, runtime/picks.py), the accepted tree path's K/V moved into place;
      or a lone greedy row's one-token calls in the engine's own loop (engines.base.greedy_steps).
 ``tokens`` [B, cap] holds each row's known tokens (``n``: how many; ``tc``: how many the target's cache holds).
 """
@@ -21,11 +22,13 @@ import os
 import time
 
 import numpy as np
+import torch
 
 from ..engines import load_engine
 from ..engines.base import greedy_steps, lease, tree_positions
 from .drafters import Proposal
 from .forced import ahead_of_forced, constrain, forced_counts
+from .picks import host_rows, host_view, target_picks
 from .plan import (DecodeResult, DraftShape, LearnOutput, Load, LoneDecode, LoneResult, Move, PromptChunks,
                    PromptResult, Save, StepPlan, StepResult, Verdict)
 from .sampling import SamplingParams, log_probs, logprob_entry
@@ -50,6 +53,8 @@ class Worker:
         self.tc = np.zeros(max_batch, np.int64)  # tokens in the target's cache per row
         self._observe = getattr(drafter, "observe", None)  # drafters that read the target's features
         self._verified = None  # the last round's (rows, n before it, accepted nodes per row) until it is settled
+        # the target's logits stay where the engine makes them (a torch engine's device); picks.py reads them there
+        self._device_logits = {"as_tensor": True} if getattr(target, "tensor_logits", False) else {}
 
     def locks(self):
         """The engines' leases, in one order (another scheduler on the same engines waits for them)."""
@@ -147,23 +152,39 @@ class Worker:
         src = np.minimum(pos, self.tokens.shape[1] - 1)
         ids = np.where(offsets < chunk[:, None], np.take_along_axis(self.tokens[first : first + p], src, axis=1),
                        self.pad_id)
-        logits = self.target.forward(ids, pos, first_row=first)
+        logits = self.target.forward(ids, pos, first_row=first, **self._device_logits)
         self.tc[first : first + p] += chunk
-        entries, tokens = [None] * p, [None] * p
-        for i in range(p):
-            if plan.logprobs[i] is not None:
-                entries[i] = _prompt_entries(*plan.logprobs[i], logits[i, : chunk[i]], int(read[i]))
-            if plan.choosers[i] is not None:
-                try:
-                    tokens[i] = plan.choosers[i].choose(logits[i, chunk[i] - 1], int(self.n[first + i]))
-                except Exception as exc:  # noqa: BLE001 - this request's own failure: it alone ends
-                    tokens[i] = exc
+        entries = [None if plan.logprobs[i] is None else
+                   _prompt_entries(*plan.logprobs[i], host_rows(logits, i, chunk[i]), int(read[i])) for i in range(p)]
+        tokens = self._first_tokens(plan.choosers, logits, chunk, self.n[first : first + p])
         draft_calls = (self.drafter.prefill(ids, pos, first, chunk) or 0) if plan.draft else 0
         if self._observe is not None:
             features = self.target.features
             self._observe(first, pos[:, 0], [features[i, : chunk[i]] for i in range(p)])
         shared = [(keep, *self._save(first + i, keep)) if keep else None for i, keep in enumerate(plan.share)]
         return PromptResult(tokens, entries, shared, draft_calls, time.perf_counter() - t0)
+
+    @staticmethod
+    def _first_tokens(choosers, logits, chunk, positions) -> list:
+        """Each finished prompt's first token (None where a row's prompt goes on), or its sampler's exception: picked
+        where the logits are (picks.target_picks) for rows that need nothing else of them."""
+        rows = [i for i, c in enumerate(choosers) if c is not None]
+        if not rows:
+            return [None] * len(choosers)
+        if isinstance(logits, torch.Tensor) and logits.device.type != "cpu":
+            last = torch.stack([logits[i, int(chunk[i]) - 1] for i in range(len(choosers))])[:, None]  # [P, 1, V]
+        else:
+            last = host_view(logits)[np.arange(len(choosers)), np.asarray(chunk) - 1][:, None]
+        skip = set(range(len(choosers))) - set(rows)
+        chosen, picked = target_picks(choosers, last, np.ones(len(choosers), np.int64), positions[:, None], skip)
+        tokens = [None] * len(choosers)
+        for i in rows:
+            try:
+                tokens[i] = (int(chosen[i, 0]) if i in picked
+                             else choosers[i].choose(host_rows(last, i, 1)[0], int(positions[i])))
+            except Exception as exc:  # noqa: BLE001 - this request's own failure: it alone ends
+                tokens[i] = exc
+        return tokens
 
     # -- 4. a decoding round -----------------------------------------------------------------------------------
 
@@ -209,12 +230,12 @@ class Worker:
         real = np.arange(width - 1) < counts[:, None]
         ids[:, 1:] = np.where(real, drafts[:, : width - 1], self.pad_id)
         if parents is None:
-            return self.target.forward(ids, (n - 1)[:, None] + np.arange(width)), width, None
+            return self.target.forward(ids, (n - 1)[:, None] + np.arange(width), **self._device_logits), width, None
         call_parents = np.zeros((b, width), np.int64)
         call_parents[:, 0] = -1
         call_parents[:, 1:] = np.where(real, parents[:, : width - 1] + 1, 0)
         mask, depth = tree_positions(call_parents)
-        return self.target.forward(ids, (n - 1)[:, None] + depth, tree_mask=mask), width, depth
+        return self.target.forward(ids, (n - 1)[:, None] + depth, tree_mask=mask, **self._device_logits), width, depth
 
     def _verdicts(self, samplers, proposal: Proposal, logits, depth, skip) -> list:
         """Every row's Verdict (verify.verify_rows), the accepted tree path's K/V moved to the slots its positions
@@ -222,7 +243,7 @@ class Worker:
         b = len(samplers)
         n = self.n[:b]
         parents = proposal.parents
-        walks = verify_rows(samplers, proposal.drafts, parents, proposal.counts, proposal.probs, logits, n, skip)
+        walks = verify_rows(samplers, proposal.drafts, parents, proposal.counts, proposal.probs, logits, n, skip, depth)
         verdicts, paths = [], []
         for s, walk in enumerate(walks):
             if not isinstance(walk, tuple):  # None (failed earlier this round) or its own sampler's exception

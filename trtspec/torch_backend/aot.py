@@ -82,20 +82,23 @@ class AOTStep(nn.Module):
     -> logits[, hidden_states]; attention reads a full-length cache's first len(live) slots (max_seq_len: trees),
     cut inside the step after the call's write, so the caches stay graph inputs written in place."""
 
-    def __init__(self, step: nn.Module):
+    def __init__(self, step: nn.Module, live: bool = True):
         super().__init__()
         self.step = step
+        self.live = live  # False: no live input, every call attends the whole capacity (the CUDA build)
 
     def forward(self, input_ids, position_ids, *args):
         if self.step.tree:  # (tree_mask, *caches): a tree call attends the whole capacity
             tree, caches, live = args[:1], args[1:], self.step.max_seq_len
-        else:  # (live, *caches)
+        elif self.live:  # (live, *caches)
             tree, caches, live = (), args[1:], args[0].shape[0]
+        else:  # (*caches)
+            tree, caches, live = (), args, self.step.max_seq_len
         logits, hidden, _ = split_outputs(self.step, self.step(input_ids, position_ids, *tree, *caches, live=live))
         return logits if hidden is None else (logits, hidden)
 
 
-def _example(model: dict, device: str):
+def _example(model: dict, device: str, live: bool = True):
     """Example inputs and their dynamic dimensions: rows, tokens and live length (examples of 2 or more, which
     torch.export does not specialise; inductor splits loops between threads by these sizes, so tokens and live
     length are a verify call's and a context's, not the least that would trace)."""
@@ -112,7 +115,7 @@ def _example(model: dict, device: str):
     if model.get("tree_verify"):
         args.append(torch.ones((b, t, t), dtype=torch.bool, device=device))
         dims.append({0: row, 1: tok, 2: tok})
-    else:
+    elif live:
         args.append(torch.arange(min(4 * LIVE_STEP, seq), device=device))
         dims.append({0: Dim("live", min=1, max=seq)} if seq > 1 else {})
     dtype = getattr(torch, model["dtype"])
@@ -151,7 +154,8 @@ def head_layers(head) -> list[int] | str:
 
 def build_torch(path: Path, export_manifest: dict | None, out_dir: Path, *, weights: str | None = None,
                 int8_activations: bool = False, device: str = "cpu", max_seq_len: int | None = None,
-                max_batch: int | None = None, hidden_states=None, head=None, carry=None) -> Path:
+                max_batch: int | None = None, hidden_states=None, head=None, carry=None,
+                live: bool | None = None) -> Path:
     """export/ (or, ``export_manifest`` None, an HF model directory or a GGUF file) -> engines/<name>/: the step
     module of the model as an AOTInductor package (step.pt2).
 
@@ -161,7 +165,12 @@ def build_torch(path: Path, export_manifest: dict | None, out_dir: Path, *, weig
     ``max_seq_len`` and ``max_batch`` (default 512 and 4) size the cache of a model built without an export; an
     export has its own. ``hidden_states`` (built from the model itself) adds the features output, as export's
     option does; ``head`` (an EAGLE-3 head's directory, with ``carry``: builder.HEAD_CARRIERS) adds the features
-    it reads and carries the head, exported for this engine, in ``head/`` (the manifest's ``head``)."""
+    it reads and carries the head, exported for this engine, in ``head/`` (the manifest's ``head``).
+
+    ``live`` (default: on the CPU only): a chain call attends only the cache slots it can read (a live-length input,
+    engines/torch_aot.py). A CUDA build attends the whole capacity, as the torch engine's CUDA graphs do: traced for
+    CUDA, the attention's strides over a dynamic live length gave a guard torch.export could not prove
+    (``min(64*live, 128*live) != 256*live``), and the build failed."""
     t0 = time.perf_counter()
     exported = export_manifest is not None
     if exported and (max_seq_len is not None or max_batch is not None):
@@ -207,8 +216,9 @@ def build_torch(path: Path, export_manifest: dict | None, out_dir: Path, *, weig
     step, report = step_module(source, device=device, weights=weights, int8_activations=int8_activations,
                                rowwise=int8_activations)
     model = source.manifest["model"]
+    live = device == "cpu" if live is None else live
     build = {"weights": weights, "int8_activations": int8_activations, "rowwise": int8_activations,
-             "device": device, "torch": torch.__version__}
+             "device": device, "live": live, "torch": torch.__version__}
     if report is not None:
         build["gguf"] = {"kernels": len(report["kernels"]), "float": report["float"]}
         build["kernel_schema"] = kernel_schema()
@@ -224,11 +234,11 @@ def build_torch(path: Path, export_manifest: dict | None, out_dir: Path, *, weig
             embedding = source.hf_model.get_input_embeddings().weight.detach()
             head_done = carry(head, tmp, manifest, path, embedding=embedding)
             pending.callback(head_done, cancel=True)  # any way out of the build stops it, if it still runs
-        args, dims = _example(model, device)
+        args, dims = _example(model, device, live)
         t = time.perf_counter()
-        log.info("torch.export of the step module (%d layers, dynamic rows, tokens and live length)",
-                 model["num_layers"])
-        program = torch.export.export(AOTStep(step).eval(), args, dynamic_shapes=dims, strict=False)
+        log.info("torch.export of the step module (%d layers, dynamic rows, tokens%s)", model["num_layers"],
+                 " and live length" if live and not model.get("tree_verify") else "")
+        program = torch.export.export(AOTStep(step, live).eval(), args, dynamic_shapes=dims, strict=False)
         # what the compile's cost grows with (docs/kernels.md, "What it costs to build")
         build["traced_ops"] = sum(node.op == "call_function" for node in program.graph.nodes)
         if device == "cpu":  # the vector instructions inductor compiles for: the machine's best

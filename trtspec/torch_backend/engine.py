@@ -43,6 +43,7 @@ class TorchEngine(TorchCacheRows):
     Not thread-safe (engines/base.py); rows other than [0, B) (``first_row``) run eagerly."""
 
     backend = "torch"
+    tensor_logits = True  # forward(..., as_tensor=True) leaves the logits on the device
 
     def __init__(self, source, *, compile_backend: str, device: str, functional_cache: bool = False,
                  weights: str = "float", int8_activations: bool = False):
@@ -89,8 +90,9 @@ class TorchEngine(TorchCacheRows):
         """The KV cache buffers, [max_batch, Hkv, S_max, D] each: key_0, value_0, key_1, ..."""
         return self.module.caches()
 
-    def forward(self, input_ids, position_ids, first_row: int = 0, tree_mask=None, inputs=None):
-        # input_ids [B, T] int64, position_ids [B, T] int64 -> logits [B, T, V] float32 numpy (a fresh array)
+    def forward(self, input_ids, position_ids, first_row: int = 0, tree_mask=None, inputs=None, as_tensor=False):
+        # input_ids [B, T] int64, position_ids [B, T] int64 -> logits [B, T, V] float32 numpy (a fresh array), or with
+        # ``as_tensor`` the step's own output tensor on the engine's device (runtime/picks.py reads it there)
         # tree_mask [B, T, T] bool: a tree call (engines with tree_verify; exporter/contract.py)
         import torch
 
@@ -118,6 +120,8 @@ class TorchEngine(TorchCacheRows):
                 logits, hidden = fn(ids, pos, tree)
             if hidden is not None:
                 self.features = hidden.float().cpu().numpy()
+            if as_tensor:  # (a CUDA graph's output is overwritten by its next replay: the caller's own copy)
+                return logits.clone() if self._cudagraph_state is not None else logits
             return logits.float().cpu().numpy()
 
     def greedy_steps(self, row: int, token: int, position: int, steps: int, on_token) -> tuple[int, float]:
