@@ -102,8 +102,9 @@ def main() -> None:
     labels = list(dict.fromkeys(r["source"] for r in rows))
     for row in rows:
         base = next((b for b in rows if b["source"] == labels[-1] and b["config"] == row["config"]), None)
-        row["x_baseline_ms"] = row["ms_per_token"] / base["ms_per_token"] if len(labels) > 1 else None
-        row["same_tokens_as_baseline"] = row["ids"] == base["ids"] if len(labels) > 1 else None
+        compared = len(labels) > 1 and row is not base
+        row["x_baseline_ms"] = row["ms_per_token"] / base["ms_per_token"] if compared else None
+        row["same_tokens_as_baseline"] = row["ids"] == base["ids"] if compared else None
     cpu = cpu_info(2)
     result = {"cpu": cpu, "engine": str(args.engine), "rounds": args.rounds, "new_tokens": args.new,
               "rows": [{k: v for k, v in r.items() if k != "ids"} for r in rows]}
@@ -116,9 +117,10 @@ def main() -> None:
              "x baseline | same tokens |", "|---|---|---|---|---|---|---|---|---|---|"]
     for row in sorted(rows, key=lambda r: (list(CONFIGS).index(r["config"]), r["source"])):
         x = "-" if row["x_baseline_ms"] is None else f"{row['x_baseline_ms']:.3f}"
+        same = "-" if row["same_tokens_as_baseline"] is None else row["same_tokens_as_baseline"]
         lines.append(f"| {row['config']} | {row['source']} | {row['ms_per_token']:.3f} | {row['verify_ms']:.3f} | "
                      f"{row['draft_ms']:.3f} | {row['prefill_ms']:.3f} | {row['other_ms']:.3f} | "
-                     f"{row['calls_per_token']:.3f} | {x} | {row['same_tokens_as_baseline']} |")
+                     f"{row['calls_per_token']:.3f} | {x} | {same} |")
     text = "\n".join(lines) + "\n"
     (RESULTS / f"{args.out}.md").write_text(text)
     print(text)

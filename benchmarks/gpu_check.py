@@ -20,7 +20,8 @@ Stages, in this order (each stops at its budget, records why, and the next one s
                    target's float32 engine, after parity)
   parity_bf16, speculative_bf16   the first two again in bfloat16
   runtime, oracle, aot_cuda   gpu_round.py: Generator against the device loop, a drafter of known acceptance, the
-                   AOTInductor build for the device against HF. Issue 74's run, about 6 minutes on an H200:
+                   AOTInductor build for the device against HF; with the decode stage, an estimated 6 minutes on an
+                   H200 (from the earlier runs' compile times; not run yet):
     python benchmarks/gpu_check.py --stages env,bandwidth,decode,runtime,oracle,aot_cuda --shapes 1.5B --no-hf ...
 
 All stages take about 15 minutes on an H200, most of it compiling: within a lent machine's 8-minute calls, run them
@@ -53,7 +54,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-import gpu_round  # noqa: E402  (issue 74's stages: runtime, oracle, aot_cuda)
+import gpu_round  # noqa: E402  (the stages runtime, oracle, aot_cuda)
 
 # Qwen2.5-0.5B and -1.5B shapes (their config.json files); smoke: the same layout, tiny
 SHAPES = {

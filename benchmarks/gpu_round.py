@@ -1,6 +1,6 @@
-"""gpu_check.py's stages for issue 74: the runtime against the compiled step, the AOTInductor build for the device,
-and speculation with a drafter of known acceptance (bench_oracle.py). Run after the decode stage, whose 1.5B engine
-(ctx.engines["1.5B"]) they share:
+"""gpu_check.py's stages of the device-resident runtime: the runtime against the compiled step, the AOTInductor
+build for the device, and speculation with a drafter of known acceptance (bench_oracle.py). Run after the decode
+stage, whose 1.5B engine (ctx.engines["1.5B"]) they share:
 
     python benchmarks/gpu_check.py --stages env,bandwidth,decode,runtime,oracle,aot_cuda --shapes 1.5B --no-hf ...
 
