@@ -75,7 +75,7 @@ def test_ragged_batch_logits_match_hf(arch, backend, torch_engine, model_dir, hf
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
 def test_greedy_steps_on_the_device_equal_the_forward_loop_and_stop_where_told(backend, torch_engine):
     from trtspec.engines.base import forward_greedy_steps
-    from trtspec.torch_backend.engine import GREEDY_CHUNK
+    from trtspec.engines.base import GREEDY_CHUNK
 
     engine = torch_engine("llama", backend)
     prompt = random_ids(6, seed=5)

@@ -337,6 +337,39 @@ def check_greedy_steps(engine, row: int, token: int, position: int, steps: int) 
         raise ValueError("position_ids must be non-negative")
 
 
+# a torch engine's greedy loop reads its tokens back once per this many calls: a stop costs at most as many calls more
+GREEDY_CHUNK = 8
+
+
+def device_greedy_steps(call, token: int, steps: int, on_token, device, *, host_argmax: bool = False
+                        ) -> tuple[int, float]:
+    """greedy_steps' loop over a torch engine's own call: ``call(i, tok)`` runs call i fed ``tok`` (a [1, 1] tensor on
+    ``device``) and returns its logits [1, T, V]. Each call's argmax feeds the next one on the device and the host
+    reads the ids once per GREEDY_CHUNK calls; calls past a refused token (at most a chunk's) wrote slots the mask
+    hides and later writes overwrite. ``host_argmax`` (a CPU engine): each token read with numpy's argmax instead
+    (4 us over a 49,152-token row against torch's 45). Returns (the calls whose tokens were taken, seconds)."""
+    import torch
+
+    t0, done = time.perf_counter(), 0
+    if host_argmax:
+        for i in range(steps):
+            token = int(call(i, torch.tensor([[token]]))[0, -1].float().numpy().argmax())
+            if not on_token(token):
+                return i + 1, time.perf_counter() - t0
+        return steps, time.perf_counter() - t0
+    tok = torch.tensor([[token]], device=device)
+    while done < steps:
+        picked = []
+        for i in range(done, min(steps, done + GREEDY_CHUNK)):
+            tok = call(i, tok)[:, -1].argmax(-1, keepdim=True)  # [1, 1]: the first maximum, as numpy's argmax
+            picked.append(tok)
+        for t in torch.cat(picked).view(-1).tolist():  # (one sync)
+            done += 1
+            if not on_token(t):
+                return done, time.perf_counter() - t0
+    return steps, time.perf_counter() - t0
+
+
 def forward_greedy_steps(engine, row: int, token: int, position: int, steps: int, on_token) -> tuple[int, float]:
     """greedy_steps as a loop over ``engine.forward``: what an engine's own loop must equal."""
     seconds = 0.0

@@ -18,7 +18,6 @@ compiler it is refused with the fix, not run on a slower path.
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 
 import numpy as np
@@ -26,15 +25,13 @@ import numpy as np
 from ..errors import ArtifactError, BackendUnavailableError
 from ..exporter.contract import max_call_tokens
 from ..kernels import release_openmp_workers
-from .base import (CallGuard, TorchCacheRows, chain_mask, check_call, check_greedy_steps, forward_greedy_steps,
-                   ring_rows)
+from .base import (CallGuard, TorchCacheRows, chain_mask, check_call, check_greedy_steps, device_greedy_steps,
+                   forward_greedy_steps, ring_rows)
 
 PACKAGE = "step.pt2"
 CACHE_PAD = 1
 # a chain call attends the first multiple of this many slots that holds every position it reads or writes
 LIVE_STEP = 64
-# greedy_steps on a GPU reads its tokens back once per this many calls: a stop costs at most as many calls more
-GREEDY_CHUNK = 8
 
 log = logging.getLogger("trtspec.torch")
 
@@ -196,11 +193,9 @@ class TorchAOTEngine(TorchCacheRows):
             return logits if as_tensor else logits.float().cpu().numpy()
 
     def greedy_steps(self, row: int, token: int, position: int, steps: int, on_token) -> tuple[int, float]:
-        """engines.base.greedy_steps calling the package directly (no per-call checks or numpy inputs). Off the CPU
-        the tokens stay on the device: each call's argmax feeds the next call there and the host reads the ids once
-        per GREEDY_CHUNK calls; calls past a refused token (at most a chunk's) wrote slots the mask hides and later
-        writes overwrite. Row 0 of an engine without rings, features, extra inputs or a tree input; else forward's
-        loop."""
+        """engines.base.greedy_steps calling the package directly (no per-call checks or numpy inputs), the tokens
+        kept on the device off the CPU (engines.base.device_greedy_steps). Row 0 of an engine without rings,
+        features, extra inputs or a tree input; else forward's loop."""
         import torch
 
         if row or self._rings is not None or self.features_size or self.extra_inputs or self.tree_verify or steps < 1:
@@ -211,31 +206,13 @@ class TorchAOTEngine(TorchCacheRows):
         rows = self._rows_views.get((0, 1))
         if rows is None:
             rows = self._rows_views[0, 1] = [c[:1] for c in self._caches]
-        tok = torch.tensor([[token]], device=dev)
 
-        def step(i):  # the call at position + i, fed tok -> its logits
+        def call(i, tok):  # the call at position + i, fed tok -> its logits
             live = [self._slots[: live_slots(position + i + 1, self.max_seq_len)]] if self._live_input else []
             return self._runner(tok, positions[i], *live, *rows)
 
-        t0, done = time.perf_counter(), 0
         with self._guard, torch.no_grad():
-            if dev.type == "cpu":  # numpy's argmax over a row: 4 us against torch's 45 on the CPU
-                for i in range(steps):
-                    token = int(step(i)[0, -1].numpy().argmax())
-                    if not on_token(token):
-                        return i + 1, time.perf_counter() - t0
-                    tok = torch.tensor([[token]])
-                return steps, time.perf_counter() - t0
-            while done < steps:
-                picked = []
-                for i in range(done, min(steps, done + GREEDY_CHUNK)):
-                    tok = step(i)[:, -1].argmax(-1, keepdim=True)
-                    picked.append(tok)
-                for t in torch.cat(picked).view(-1).tolist():  # (one sync)
-                    done += 1
-                    if not on_token(t):
-                        return done, time.perf_counter() - t0
-        return steps, time.perf_counter() - t0
+            return device_greedy_steps(call, token, steps, on_token, dev, host_argmax=dev.type == "cpu")
 
     # the cache-row operations: engines/base.TorchCacheRows over this engine's buffers
     def _cache_buffers(self):

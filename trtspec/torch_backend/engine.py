@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from pathlib import Path
 
-from ..engines.base import (CallGuard, TorchCacheRows, chain_mask, check_call, check_greedy_steps, forward_greedy_steps,
-                            ring_rows)
+from ..engines.base import (CallGuard, TorchCacheRows, chain_mask, check_call, check_greedy_steps, device_greedy_steps,
+                            forward_greedy_steps, ring_rows)
 from ..engines.torch_aot import live_length
 from ..exporter.contract import max_call_tokens
 from ..errors import BackendUnavailableError
@@ -31,8 +30,6 @@ BACKENDS = ("inductor", "eager", "torch_tensorrt")
 DEVICES = ("cpu", "cuda")
 # On CUDA, calls of at most this many tokens per row (decode, verify k+1) run as CUDA graphs.
 MAX_GRAPHED_TOKENS = 16
-# greedy_steps reads its tokens back to the host once per this many calls: a stop costs at most as many calls more
-GREEDY_CHUNK = 8
 
 log = logging.getLogger("trtspec.torch")
 
@@ -125,13 +122,10 @@ class TorchEngine(TorchCacheRows):
             return logits.float().cpu().numpy()
 
     def greedy_steps(self, row: int, token: int, position: int, steps: int, on_token) -> tuple[int, float]:
-        """engines.base.greedy_steps with the tokens kept on the device: each call's argmax feeds the next call
-        there, and the host reads them once per GREEDY_CHUNK calls instead of a sync and a logits copy per call.
-
-        Calls after the one whose token on_token refused (at most a chunk's) wrote slots beyond the row's tokens,
-        which the mask hides and later writes overwrite; the count returned is the calls whose tokens were taken.
-        Row 0 of a full-cache engine without features (the draft chain, the scheduler's lone row); else
-        forward's loop."""
+        """engines.base.greedy_steps with the tokens kept on the device (engines.base.device_greedy_steps): each
+        call's argmax feeds the next call there, and the host reads them once per GREEDY_CHUNK calls instead of a
+        sync and a logits copy per call. Row 0 of a full-cache engine without features (the draft chain, the
+        scheduler's lone row); else forward's loop."""
         import torch
 
         if row or self._rings is not None or self.features_size or steps < 1:
@@ -140,22 +134,14 @@ class TorchEngine(TorchCacheRows):
         dev = self.device
         positions = torch.arange(position, position + steps, device=dev).view(-1, 1, 1)
         tree = torch.ones((1, 1, 1), dtype=torch.bool, device=dev) if self.tree_verify else None
-        tok = torch.tensor([[token]], device=dev)
         if self._cudagraph_state is not None:
             adopt_cudagraph_tree_state(self._cudagraph_state)
-        t0, done = time.perf_counter(), 0
+
+        def call(i, tok):
+            return self._graphed(tok, positions[i], tree)[0]
+
         with self._guard, torch.no_grad():
-            while done < steps:
-                picked = []
-                for i in range(done, min(steps, done + GREEDY_CHUNK)):
-                    logits, _ = self._graphed(tok, positions[i], tree)
-                    tok = logits[:, -1].argmax(-1, keepdim=True)  # [1, 1]: the first maximum, as numpy's argmax
-                    picked.append(tok)
-                for t in torch.cat(picked).view(-1).tolist():  # (one sync)
-                    done += 1
-                    if not on_token(t):
-                        return done, time.perf_counter() - t0
-        return steps, time.perf_counter() - t0
+            return device_greedy_steps(call, token, steps, on_token, dev)
 
     # the cache-row operations: engines/base.TorchCacheRows over this engine's caches
     def _cache_buffers(self):
