@@ -47,8 +47,8 @@ def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
 
 
 def noise_start(key: int, position: int) -> int:
-    """Where the noise stream of (seed, position) starts: a uint64."""
-    return _mix(_mix(key) + position * _GOLDEN)
+    """Where the noise stream of (seed, position) starts: a uint64 (Python ints: a numpy int64 would overflow)."""
+    return _mix(_mix(int(key)) + int(position) * _GOLDEN)
 
 
 _COUNTERS: dict[int, np.ndarray] = {}  # size -> 1..size as uint64 (the host's noise reads them every position)

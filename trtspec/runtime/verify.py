@@ -113,7 +113,6 @@ class RowSampler:
         self.plain = processor is None and params.logprobs is None
         self._logprobs: list = []  # (token, logprob, [(token, logprob), ...]) of tokens not yet taken
         self._gumbel: dict[int, np.ndarray] = {}  # coupled sampling's noise of this round's positions
-        self._device_gumbel: dict = {}  # the same on the target's device, where that is not the CPU
         p = params
         self._lazy = (processor is not None and processor.constraint is not None and p.logprobs is None
                       and (self.mode == "greedy" or (self.mode == "coupled" and p.top_k is None
@@ -131,17 +130,11 @@ class RowSampler:
         return noise
 
     def noise(self, position: int, size: int, device):
-        """G_position as a float64 tensor on ``device`` (picks.target_picks): the host's own array on the CPU."""
-        device = torch.device(device)
-        if device.type == "cpu":
+        """G_position as a float64 tensor on ``device`` (picks.target_picks): the host's own array on the CPU;
+        elsewhere made there each time (microseconds on a GPU, where keeping it would hold V float64 a position)."""
+        if torch.device(device).type == "cpu":
             return torch.from_numpy(self._noise(position, size))
-        noise = self._device_gumbel.get(position)
-        if noise is None or noise.numel() != size or noise.device != device:
-            noise = gumbel_noise(self.key, position, size, device)
-            if len(self._device_gumbel) >= 64:
-                self._device_gumbel = {p: g for p, g in self._device_gumbel.items() if p > position - 32}
-            self._device_gumbel[position] = noise
-        return noise
+        return gumbel_noise(self.key, position, size, device)
 
     def _process(self, logits: np.ndarray) -> np.ndarray:
         return logits if self.processor is None else self.processor.apply(logits)
