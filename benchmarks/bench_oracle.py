@@ -185,7 +185,8 @@ def main(argv=None) -> int:
     r.update(engine=args.engine, prompts=len(prompts), new_tokens=args.new, machine=cpu_info(args.threads))
     with open(args.out + ".json", "w") as f:
         json.dump(r, f, indent=1)
-    md = markdown(r, f"Oracle drafter on {args.engine} ({r['machine'].get('cpu', '?')})")
+    md = markdown(r, f"Oracle drafter on {args.engine} ({r['machine']['cpu']}; ISA: {' '.join(r['machine']['isa'])}; "
+                     f"{args.threads} threads)")
     with open(args.out + ".md", "w") as f:
         f.write(md)
     print(md)
