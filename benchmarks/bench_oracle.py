@@ -61,6 +61,13 @@ def oracle_class(references, a: float, seed: int = 0):
     return Oracle
 
 
+def first_difference(got, want) -> int | None:
+    """The first index where two token lists differ (one's end counts), or None where they are equal."""
+    if got == want:
+        return None
+    return next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+
+
 def call_costs(engine, sizes, *, position: int, repeats: int) -> dict[int, float]:
     """Median seconds of a chain call of T tokens as the runtime makes it: the logits left where the engine makes
     them and the argmax ids read back (the sync a round pays), at ``position``."""
@@ -129,6 +136,9 @@ def oracle_rows(engine, prompts, new_tokens: int, *, a_values=A_VALUES, k_values
                    "tokens_per_call": sum(map(len, out)) / calls, "expected_tokens_per_call": expected,
                    "ideal_speedup": ideal, "fraction_of_ideal": tok_s / base / ideal,
                    "equals_target_alone": out == want and got == want, "alone_call_ms": base_call_ms,
+                   # per prompt, the first token where the drafted run (and the alone run again) left the reference
+                   "first_difference": [first_difference(o, w) for o, w in zip(out, want)],
+                   "alone_first_difference": [first_difference(o, w) for o, w in zip(got, want)],
                    "call_ms_in_rounds": call_ms,
                    # the ideal again from the calls' cost inside the generations, the alone loop's and the rounds'
                    "ideal_in_rounds": expected * base_call_ms / call_ms}

@@ -58,7 +58,9 @@ def _without_input_checks():
     from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu
 
     def empty(self):
-        self.prefix.splice_aot("""
+        # torch 2.13's prefix is two buffers and the checks go to the AOT one; 2.11's is one buffer
+        splice = getattr(self.prefix, "splice_aot", None) or self.prefix.splice
+        splice("""
             static bool _check_aoti_runtime_check_inputs_env() {
                 const static char* env_var_value = getenv("AOTI_RUNTIME_CHECK_INPUTS");
                 const static bool result = env_var_value != nullptr && env_var_value[0] != '0';
