@@ -206,12 +206,40 @@ def test_torch_target_alone_equals_onnxruntime_target(torch_engine, reference):
     assert [r.token_ids for r in out] == reference
 
 
-def test_torch_target_with_onnxruntime_draft_equals_target_greedy(torch_engine, perturbed_export, reference):
+def force_device_picks(monkeypatch):
+    """The round's picks as a GPU makes them (torch ops on the engine's tensor, runtime/picks.py), here on the CPU."""
+    from trtspec.runtime import picks, verify, worker
+
+    def forced(*args, **kwargs):
+        return picks.target_picks(*args, **{**kwargs, "on_device_ops": True})
+
+    monkeypatch.setattr(verify, "target_picks", forced)
+    monkeypatch.setattr(worker, "target_picks", forced)
+
+
+@pytest.mark.parametrize("device_picks", [False, True], ids=["host picks", "device picks"])
+def test_torch_target_with_onnxruntime_draft_equals_target_greedy(torch_engine, perturbed_export, reference,
+                                                                  device_picks, monkeypatch):
+    if device_picks:
+        force_device_picks(monkeypatch)
     draft = load_engine(perturbed_export("llama", 0.3))
     gen = Generator(torch_engine("llama", "eager"), draft, num_draft_tokens=3, k_policy="fixed")
     out = gen.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
     assert [r.token_ids for r in out] == reference
     assert 0 < out.stats.accepted < out.stats.proposed  # multi-token verify writes and rollbacks both happened
+
+
+def test_device_picks_sample_the_hosts_tokens(torch_engine, perturbed_export, monkeypatch):
+    draft = load_engine(perturbed_export("llama", 0.3))
+
+    def sampled():
+        gen = Generator(torch_engine("llama", "eager"), draft, num_draft_tokens=3, k_policy="fixed")
+        out = gen.generate(PROMPTS, max_new_tokens=NEW_TOKENS, temperature=0.9, top_k=20, seed=5)
+        return [r.token_ids for r in out], out.stats.accepted
+
+    host, accepted = sampled()
+    force_device_picks(monkeypatch)
+    assert sampled() == (host, accepted) and accepted > 0
 
 
 @pytest.fixture(scope="module")
