@@ -87,9 +87,10 @@ def call_costs(engine, sizes, *, position: int, repeats: int) -> dict[int, float
 
 
 def oracle_rows(engine, prompts, new_tokens: int, *, a_values=A_VALUES, k_values=K_VALUES, runs: int = 3,
-                call_repeats: int = 20, position: int = 128, log=print) -> dict:
+                call_repeats: int = 20, position: int = 128, log=print, keep_outputs: bool = False) -> dict:
     """The oracle's configurations against the target alone on one engine (greedy, batch 1, prompts one after
-    another): a dict with the measured call costs and one row per (a, k)."""
+    another): a dict with the measured call costs and one row per (a, k); ``keep_outputs``: also the prompts' ids,
+    the target alone's tokens (``references``) and each row's drafted ``outputs``."""
     from trtspec import Generator
     from trtspec.kernels import release_openmp_workers
     from trtspec.runtime import drafters as drafters_module
@@ -122,6 +123,8 @@ def oracle_rows(engine, prompts, new_tokens: int, *, a_values=A_VALUES, k_values
     gen.close()
     references = [list(i) + w for i, w in zip(ids, want)]
     result = {"call_ms": {str(t): c * 1e3 for t, c in costs.items()}, "rows": []}
+    if keep_outputs:
+        result.update(prompt_ids=[list(i) for i in ids], references=want)
     for a in a_values:
         for k in k_values:
             base, got, _, base_call_ms = rate(alone)  # the target alone beside each configuration, in turn
@@ -142,6 +145,8 @@ def oracle_rows(engine, prompts, new_tokens: int, *, a_values=A_VALUES, k_values
                    "call_ms_in_rounds": call_ms,
                    # the ideal again from the calls' cost inside the generations, the alone loop's and the rounds'
                    "ideal_in_rounds": expected * base_call_ms / call_ms}
+            if keep_outputs:
+                row["outputs"] = out
             result["rows"].append(row)
             log(f"  a={a} k={k}: {tok_s:.1f} tok/s ({row['speedup']:.2f}x the target alone's {base:.1f}), "
                 f"{row['tokens_per_call']:.2f} tokens a call (E {expected:.2f}), ideal {ideal:.2f}x -> "

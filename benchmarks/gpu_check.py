@@ -20,9 +20,9 @@ Stages, in this order (each stops at its budget, records why, and the next one s
                    target's float32 engine, after parity)
   parity_bf16, speculative_bf16   the first two again in bfloat16
   runtime, oracle, aot_cuda   gpu_round.py: Generator against the device loop, a drafter of known acceptance, the
-                   AOTInductor build for the device against HF (a child process); with the decode stage, about 8
-                   minutes on an H200 (runs 5-7 in benchmarks/results/gpu: decode 2 minutes, runtime 72 s, the
-                   oracle's first graphs 2 minutes):
+                   AOTInductor build for the device against HF (a child process); with the decode stage, up to
+                   about 11 minutes on an H200 (runs 5-7 in benchmarks/results/gpu: decode 2 minutes, runtime 72 s;
+                   the oracle's budget is 5 minutes, the build's 4):
     python benchmarks/gpu_check.py --stages env,bandwidth,aot_cuda,decode,runtime,oracle --shapes 1.5B --no-hf ...
 
 All stages take about 15 minutes on an H200, most of it compiling: within a lent machine's 8-minute calls, run them

@@ -7,8 +7,9 @@ stage, whose 1.5B engine (ctx.engines["1.5B"]) they share:
   runtime    Generator (target alone) on the decode stage's engine: greedy (the engine's own loop, tokens on the
              device) and sampled (coupled, temperature 0.8: each round's pick made on the device, runtime/picks.py),
              tok/s against the compiled step's device loop measured in the same stage
-  oracle     verify_vs_decode on the same engine, then bench_oracle.oracle_rows on it made peaked (peak_the_model):
-             a = 0.6 and 0.8, k = 2, 4 against the target alone
+  oracle     verify_vs_decode on the same engine; one oracle configuration on it (a = 0.8, k = 4) and where its
+             drafted runs left the target alone (divergences); then bench_oracle.oracle_rows on it made peaked
+             (peak_the_model): a = 0.6 and 0.8, k = 2, 4 against the target alone
   aot_cuda   `trtspec build --backend torch --device DEVICE` of a small random Qwen2 (float32), as the CUDA build
              is made (no live-length input), against HF on a prefill, a decode and a 5-token verify (<= 1e-4), in a
              child process (aot_check)
@@ -24,7 +25,7 @@ import numpy as np
 
 PROMPTS = ["def fibonacci(n):", "The three laws of motion are", "import numpy as np\n\nclass Matrix:",
            "Once upon a time"]
-BUDGETS = {"runtime": 90, "oracle": 240, "aot_cuda": 240}
+BUDGETS = {"runtime": 90, "oracle": 300, "aot_cuda": 240}
 
 
 def _engine(ctx):
@@ -88,12 +89,39 @@ def verify_vs_decode(engine, prompt_ids, reference, t: int = 5) -> dict:
             "median_top2_gap": float(np.median(top2[:, 1] - top2[:, 0]))}
 
 
+def divergences(engine, result: dict) -> list[dict]:
+    """Where each drafted run of ``result`` (oracle_rows with keep_outputs) first left the target alone's tokens:
+    the decode calls' logits there (prompt, then one call a token over the target alone's tokens, as its loop made
+    them), the logit of the target alone's token minus that of the drafted run's, and the top-2 gap. A difference
+    within the dtype's rounding says a near tie rounded otherwise at another call size; a large one, a wrong pick."""
+    found = []
+    for row in result["rows"]:
+        for p, (ids, want, got) in enumerate(zip(result["prompt_ids"], result["references"], row["outputs"])):
+            d = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+            if d is None:
+                continue
+            seq = np.asarray(list(ids) + list(want[:d]), np.int64)
+            n = len(ids)
+            engine.reset()
+            logits = engine.forward(seq[None, :n], np.arange(n)[None])[0, -1]
+            for i in range(n, len(seq)):
+                logits = engine.forward(seq[None, i : i + 1], np.array([[i]]))[0, -1]
+            top2 = np.sort(logits.astype(np.float64))[-2:]
+            found.append({"a": row["a"], "k": row["k"], "prompt": p, "token": d, "alone": int(want[d]),
+                          "drafted": int(got[d]), "alone_is_argmax": int(logits.argmax()) == int(want[d]),
+                          "logit_alone_minus_drafted": float(logits[want[d]]) - float(logits[got[d]]),
+                          "top2_gap": float(top2[1] - top2[0])})
+    return found
+
+
 def peak_the_model(engine, scale: float = 1000.0) -> None:
     """Scale the random model's (tied) embedding in place, so the residual stream is the current token's embedding
     and the greedy pick (that token again) wins by thousands of logits: a continuation no dtype's rounding flips,
     for a drafter of known acceptance. A random model's top two logits are often closer than bfloat16 rounds (a
     median gap of 0.11 on the H200, run7), so wherever a verify call rounds otherwise than a decode call its greedy
-    text changes; on the peaked model a drafted run that leaves the target alone's tokens is a bug, not rounding."""
+    text changes; on the peaked model a drafted run that leaves the target alone's tokens is a bug in the picks or
+    the walk, not rounding. (What attention reads barely moves its output, so the random model's run, with its
+    ``divergences``, is the check of the caches and masks.)"""
     import torch
 
     with torch.no_grad():
@@ -110,13 +138,23 @@ def stage_oracle(ctx) -> dict:
     gen = Generator(engine, drafter="none")
     ids = gen.tokenizer(PROMPTS[0])["input_ids"]
     checks = {"random": verify_vs_decode(engine, ids, gen.generate(PROMPTS[0], max_new_tokens=8).token_ids)}
+    gen.close()
+    ctx.partial("oracle", {"verify_vs_decode": checks})
+    # the random model first, one configuration: where a drafted run leaves the target alone, and by how much
+    random = oracle_rows(engine, PROMPTS[:2] if ctx.smoke else PROMPTS, new, runs=1, a_values=(0.8,), k_values=(4,),
+                         call_repeats=3, log=lambda line: print("random model:" + line, flush=True),
+                         keep_outputs=True)
+    random_rows = [{k: v for k, v in r.items() if k != "outputs"} for r in random["rows"]]
+    found = {"rows": random_rows, "divergences": divergences(engine, random)}
+    ctx.partial("oracle", {"verify_vs_decode": checks, "random_model": found})
+    gen = Generator(engine, drafter="none")
     peak_the_model(engine)
     checks["peaked"] = verify_vs_decode(engine, ids, gen.generate(PROMPTS[0], max_new_tokens=8).token_ids)
     gen.close()
-    ctx.partial("oracle", {"verify_vs_decode": checks})
+    ctx.partial("oracle", {"verify_vs_decode": checks, "random_model": found})
     rows = oracle_rows(engine, PROMPTS[:2] if ctx.smoke else PROMPTS, new, runs=1 if ctx.smoke else 2,
                        k_values=(2, 4), call_repeats=5 if ctx.smoke else 20, log=lambda line: print(line, flush=True))
-    rows["verify_vs_decode"] = checks
+    rows["verify_vs_decode"], rows["random_model"] = checks, found
     best = next((r for r in rows["rows"] if r["a"] == 0.8 and r["k"] == 4), None)
     if best:
         rows["target_a0.8_k4"] = {"speedup": best["speedup"], "fraction_of_ideal": best["fraction_of_ideal"],
@@ -223,6 +261,15 @@ def markdown(r: dict) -> list[str]:
                          f"{c.get('decode_picks_equal_reference', '-')} | {c['logit_spread']:.3g} | "
                          f"{c['argmax_flips']} | {', '.join(f'{g:.3g}' for g in c['top2_gap_at_flips']) or '-'} | "
                          f"{c['median_top2_gap']:.3g} |")
+        rand = orc.get("random_model") or {}
+        for row in rand.get("rows", []):
+            lines.append(f"- random model, a={row['a']} k={row['k']}: {row['tokens_per_call']:.2f} tokens a call (E "
+                         f"{row['expected_tokens_per_call']:.2f}), equal to the target alone: "
+                         f"{row['equals_target_alone']}")
+        for d in rand.get("divergences", []):
+            lines.append(f"  - prompt {d['prompt']} left it at token {d['token']}: alone {d['alone']} (its argmax in "
+                         f"decode calls: {d['alone_is_argmax']}), drafted {d['drafted']}; logit difference "
+                         f"{d['logit_alone_minus_drafted']:.4g}, top-2 gap {d['top2_gap']:.4g}")
         for row in orc.get("rows", []):
             if not row["equals_target_alone"]:
                 lines.append(f"- a={row['a']} k={row['k']}: first token off the target alone's, per prompt: drafted "
