@@ -34,10 +34,10 @@ namespace {
 
 // The sum of a vector's lanes: lane l adds lane l + 8, then l + 4, l + 2, l + 1; lane 0 holds the total.
 inline float lanes_sum(f16x v) {
-  v = v + __builtin_shuffle(v, i16x{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-  v = v + __builtin_shuffle(v, i16x{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
-  v = v + __builtin_shuffle(v, i16x{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
-  v = v + __builtin_shuffle(v, i16x{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+  v = v + lanes_xor<8>(v);
+  v = v + lanes_xor<4>(v);
+  v = v + lanes_xor<2>(v);
+  v = v + lanes_xor<1>(v);
   return v[0];
 }
 
@@ -72,6 +72,42 @@ inline f16x lanes_sums16(const Dot& dot) {
   const f16x odd = pair_sum(quarters[1], quarters[3], s3a, s3b);
   return pair_sum(even, odd, s4a, s4b);
 }
+
+#if defined(TRTSPEC_VEC_YMM)
+// lanes_sums16 on ymm halves: the same additions of the same lanes, in AVX's shuffles (GCC makes the generic
+// two-vector shuffles lane by lane through memory). `dot(j, h)` gives key j's lanes as halves h.
+template <typename Dot>
+inline f16x lanes_sums16_ymm(const Dot& dot) {
+  __m256 quarters[4][2];
+  for (int j = 0; j < 4; ++j) {
+    __m256 a[2], b[2], c[2], d[2];
+    dot(j, a);
+    dot(j + 8, b);
+    dot(j + 4, c);
+    dot(j + 12, d);
+    // step 1: lanes 0-7 key j's l + (l + 8), lanes 8-15 key j + 8's (low); keys j + 4 and j + 12 (high)
+    const __m256 low[2] = {_mm256_add_ps(a[0], a[1]), _mm256_add_ps(b[1], b[0])};
+    const __m256 high[2] = {_mm256_add_ps(c[0], c[1]), _mm256_add_ps(d[1], d[0])};
+    // step 2: l + (l + 4), low's and high's quarters side by side
+    for (int i = 0; i < 2; ++i)
+      quarters[j][i] = _mm256_add_ps(_mm256_permute2f128_ps(low[i], high[i], 0x20),
+                                     _mm256_permute2f128_ps(low[i], high[i], 0x31));
+  }
+  __m256 out[2];
+  for (int i = 0; i < 2; ++i) {
+    // step 3: l + (l + 2), pairs of lanes of keys j and j + 2 in each 4-lane group
+    const __m256 even = _mm256_add_ps(_mm256_shuffle_ps(quarters[0][i], quarters[2][i], _MM_SHUFFLE(1, 0, 1, 0)),
+                                      _mm256_shuffle_ps(quarters[0][i], quarters[2][i], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m256 odd = _mm256_add_ps(_mm256_shuffle_ps(quarters[1][i], quarters[3][i], _MM_SHUFFLE(1, 0, 1, 0)),
+                                     _mm256_shuffle_ps(quarters[1][i], quarters[3][i], _MM_SHUFFLE(3, 2, 3, 2)));
+    // step 4: l + (l + 1) as [e0 + e1, e2 + e3, o0 + o1, o2 + o3], then put in key order [e, o, e, o]
+    const __m256 sums = _mm256_add_ps(_mm256_shuffle_ps(even, odd, _MM_SHUFFLE(2, 0, 2, 0)),
+                                      _mm256_shuffle_ps(even, odd, _MM_SHUFFLE(3, 1, 3, 1)));
+    out[i] = _mm256_permute_ps(sums, _MM_SHUFFLE(3, 1, 2, 0));
+  }
+  return from_halves<f16x>(out);
+}
+#endif
 
 // exp(x) for x <= 0 (scores minus their maximum), 16 at a time: 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2, p exp's
 // Taylor polynomial of degree 7 (error under 1e-8 there); below -87 (2^-126; a masked key's -inf) it is 0.
@@ -129,6 +165,11 @@ void attention_rows_of(const AttentionArgs& a, int64_t r0, int64_t r1, float* __
     const bool* m = a.mask + b * a.mb + t * a.mt;
     f16x qv[C ? C : 1];
     for (int c = 0; c < C; ++c) qv[c] = load16(q + c * kLanes);
+#if defined(TRTSPEC_VEC_YMM)
+    __m256 qh[C ? C : 1][2];
+    for (int c = 0; c < C; ++c)
+      for (int i = 0; i < 2; ++i) qh[c][i] = _mm256_loadu_ps(q + c * kLanes + 8 * i);
+#endif
     int64_t lo, hi;
     visible_span(m, a.S, a.ms, lo, hi);
     float* o = a.out + (a.tokens_major ? (b * a.T + t) * a.H + h : row) * a.D;
@@ -157,11 +198,20 @@ void attention_rows_of(const AttentionArgs& a, int64_t r0, int64_t r1, float* __
           continue;
         }
         const float* keys = kbase + s * a.D;
+#if defined(TRTSPEC_VEC_YMM)
+        f16x scores = lanes_sums16_ymm([&](int j, __m256 (&h)[2]) {
+          h[0] = h[1] = _mm256_setzero_ps();
+          for (int c = 0; c < C; ++c)
+            for (int i = 0; i < 2; ++i)
+              h[i] = _mm256_fmadd_ps(qh[c][i], _mm256_loadu_ps(keys + j * a.D + c * kLanes + 8 * i), h[i]);
+        }) * a.scale;
+#else
         f16x scores = lanes_sums16([&](int j) {
           f16x lanes{};
           for (int c = 0; c < C; ++c) lanes = fma16(qv[c], load16(keys + j * a.D + c * kLanes), lanes);
           return lanes;
         }) * a.scale;
+#endif
         if (a.softcap != 0.0f)
           for (int j = 0; j < kLanes; ++j) scores[j] = std::tanh(scores[j] / a.softcap) * a.softcap;
         scores = visible ? scores : splat(-inf);
@@ -194,6 +244,37 @@ void attention_rows_of(const AttentionArgs& a, int64_t r0, int64_t r1, float* __
     if constexpr (C > 0) {
       // four sums, key s into sum s % 4 (one chain of additions over every key kept a row's loop waiting on its
       // latency), and the weights' total 16 lanes at a time (the padding's weights are 0)
+      f16x weights{};
+      for (int64_t s = first; s < last; s += kLanes) weights = weights + load16(e + s);
+      const float inv = 1.0f / lanes_sum(weights);
+#if defined(TRTSPEC_VEC_YMM)
+      // 16 lanes of the head at a time, over every key: the same sums per lane in the same order, 8 ymm sums live
+      for (int c = 0; c < C; ++c) {
+        __m256 sum[4][2];
+        for (int j = 0; j < 4; ++j) sum[j][0] = sum[j][1] = _mm256_setzero_ps();
+        auto add = [&](__m256 (&acc)[2], int64_t s) {
+          const float w = e[s];
+          if (w == 0.0f) return;  // a masked key's value is never read
+          const float* value = vbase + s * a.D + c * kLanes;
+          const __m256 wv = _mm256_set1_ps(w);
+          acc[0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(value), acc[0]);
+          acc[1] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(value + 8), acc[1]);
+        };
+        int64_t s = first;
+        for (; s + 4 <= end; s += 4) {
+          add(sum[0], s);
+          add(sum[1], s + 1);
+          add(sum[2], s + 2);
+          add(sum[3], s + 3);
+        }
+        for (int j = 0; s < end; ++s, ++j) add(sum[j], s);
+        for (int i = 0; i < 2; ++i)
+          _mm256_storeu_ps(o + c * kLanes + 8 * i,
+                           _mm256_mul_ps(_mm256_add_ps(_mm256_add_ps(sum[0][i], sum[1][i]),
+                                                       _mm256_add_ps(sum[2][i], sum[3][i])),
+                                         _mm256_set1_ps(inv)));
+      }
+#else
       f16x sum[4][C];
       for (int j = 0; j < 4; ++j)
         for (int c = 0; c < C; ++c) sum[j][c] = f16x{};
@@ -207,10 +288,8 @@ void attention_rows_of(const AttentionArgs& a, int64_t r0, int64_t r1, float* __
       for (; s + 4 <= end; s += 4)
         for (int j = 0; j < 4; ++j) add(j, s + j);
       for (int j = 0; s < end; ++s, ++j) add(j, s);
-      f16x weights{};
-      for (int64_t s = first; s < last; s += kLanes) weights = weights + load16(e + s);
-      const float inv = 1.0f / lanes_sum(weights);
       for (int c = 0; c < C; ++c) store16(o + c * kLanes, ((sum[0][c] + sum[1][c]) + (sum[2][c] + sum[3][c])) * inv);
+#endif
     } else {
       float total = 0.0f;
       for (int64_t d = 0; d < a.D; ++d) acc[d] = 0.0f;
