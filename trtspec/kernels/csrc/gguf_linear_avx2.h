@@ -3,9 +3,10 @@
 // after its own #pragma GCC target; everything here has internal linkage, so the two never share a function.
 //
 // A panel's 16 columns are two ymm halves, done one after the other (a half reads 32 of each 64-byte block; the panel
-// stays in L1 between them; one or two int8 rows without VNNI take both in one pass, int8_rows_both), R rows at a time: R int32 sums, R float sums (and without VNNI R int16 partial sums)
-// within the 16 ymm registers. maddubs' int16 pair sums add up over kInt16Steps steps of a group before madd widens
-// them (the bounds of gguf_linear_avx512.h), so a 4-bit group costs one madd per row.
+// stays in L1 between them), R rows at a time: R int32 sums, R float sums (and without VNNI R int16 partial sums)
+// within the 16 ymm registers; one or two int8 rows without VNNI take both halves in one pass (int8_rows_both).
+// maddubs' int16 pair sums add up over kInt16Steps steps of a group before madd widens them (the bounds of
+// gguf_linear_avx512.h), so a 4-bit group costs one madd per row.
 #include <immintrin.h>
 
 #include "gguf_linear.h"
