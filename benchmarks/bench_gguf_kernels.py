@@ -15,7 +15,7 @@ what they cost on the real model.
 
 Writes benchmarks/results/gguf-kernels.{json,md}.
 
-    python benchmarks/bench_gguf_kernels.py --ops [--quick]
+    python benchmarks/bench_gguf_kernels.py --ops [--quick] [--out gguf-ops]
 
 Our own kernels (trtspec/kernels, torch.ops.trtspec.gguf_linear) instead: every type, both variants and every
 instruction-set path this CPU runs, at M = 1, 2, 3, 5, 8, 9, 16, 17, 32 rows, 2 threads, beside MatMulNBits (levels
@@ -24,7 +24,7 @@ instruction-set path this CPU runs, at M = 1, 2, 3, 5, 8, 9, 16, 17, 32 rows, 2 
 in cache) and cycling through copies that fill twice the last-level cache (read from memory, as a decode reads a
 model), beside the 2-thread read bandwidth measured in the same run. The one-row target's comparison is also timed
 head to head: our int8 kernel and MatMulNBits level 4 in alternating rounds, the median of the rounds' ratios (the
-tables' figures are minutes apart, and these machines' speed drifts). Writes benchmarks/results/gguf-ops.{json,md}
+tables' figures are minutes apart, and these machines' speed drifts). Writes benchmarks/results/<--out>.{json,md}
 with the CPU model and its ISA.
 """
 
@@ -370,13 +370,14 @@ def main() -> None:
     ap.add_argument("--export", type=Path, default=Path("export/smollm2"))
     ap.add_argument("--ops", action="store_true", help="time our own kernels (trtspec/kernels) instead")
     ap.add_argument("--quick", action="store_true", help="with --ops: the target types and M = 1, 5, 9, 16 only")
+    ap.add_argument("--out", default="gguf-ops", help="with --ops: the results' name under benchmarks/results/")
     args = ap.parse_args()
     if args.ops:
         result = ops(args.quick)
         RESULTS.mkdir(exist_ok=True)
-        (RESULTS / "gguf-ops.json").write_text(json.dumps(result, indent=2))
+        (RESULTS / f"{args.out}.json").write_text(json.dumps(result, indent=2))
         text = _ops_markdown(result)
-        (RESULTS / "gguf-ops.md").write_text(text)
+        (RESULTS / f"{args.out}.md").write_text(text)
         print(text)
         return
     result = {"nodes": nodes()}
