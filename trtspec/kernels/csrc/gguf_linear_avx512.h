@@ -159,12 +159,13 @@ void float_rows(const Weights& w, const uint8_t* panel, const FloatRows& x, int6
     __m512 d[R][4];
     for (int r = 0; r < R; ++r)
       for (int t = 0; t < 4; ++t) d[r][t] = _mm512_setzero_ps();
+    const float* xk = xg;  // k's rows at xk[r], stepped by m (as in gguf_linear_avx2.h's float_rows)
 #pragma GCC unroll 8
     for (int s = 0; s < S; ++s) {
       const __m512i c = _mm512_sub_epi8(codes_of<BITS>(group, s), zero);
-      for (int t = 0; t < 4; ++t) {
+      for (int t = 0; t < 4; ++t, xk += m) {
         const __m512 f = _mm512_cvtepi32_ps(_mm512_shuffle_epi8(c, byte_to_top(t)));
-        for (int r = 0; r < R; ++r) d[r][t] = _mm512_fmadd_ps(f, _mm512_set1_ps(xg[(4 * s + t) * m + r]), d[r][t]);
+        for (int r = 0; r < R; ++r) d[r][t] = _mm512_fmadd_ps(f, _mm512_set1_ps(xk[r]), d[r][t]);
       }
     }
     const __m512 scale = _mm512_mul_ps(floats_as<F::half>(group + F::codes_bytes), unscale);
