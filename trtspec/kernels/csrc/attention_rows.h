@@ -2,9 +2,10 @@
 // call's number of rows and threads, and on every instruction set. The arithmetic is written on GCC's vectors of
 // 16 floats (vec16.h), lane by lane, every multiply-add fused (fma16: vfmadd, or fmaf where the CPU has none);
 // each ISA file includes this after its own #pragma GCC target, and the compiler makes one zmm, two ymm or scalar
-// code of it with the same IEEE steps per lane. The int8-activation builds need that: their verify call's logits
-// must equal the decode call's. It replaces a graph of products and sums whose compiled loops divided once per key
-// and head-dim chunk, and recomputed the rotary embedding per key.
+// code of it with the same IEEE steps per lane (on AVX2 the 16-key sums and the value sums are written on ymm
+// halves instead, the same steps: GCC's own code for them went through memory lane by lane). The int8-activation
+// builds need that: their verify call's logits must equal the decode call's. It replaces a graph of products and
+// sums whose compiled loops divided once per key and head-dim chunk, and recomputed the rotary embedding per key.
 //
 // Per row (b, h, t), kh = h / (H / Hkv) its key head, over the keys s with mask[b, t, s]:
 //   score_s = dot(q, k_s) * scale      dot: 16 lanes, lane l fma-ing d = l, l + 16, ... in order, then the lanes
