@@ -52,6 +52,23 @@ inline __m256 floats_as(const uint8_t* p, int h) {
   else return _mm256_loadu_ps(reinterpret_cast<const float*>(p) + kHalf * h);
 }
 
+// A group's half h into R rows' float sums (row r's activations at index i + r): the step after the integer dot
+// products, for int8_rows and int8_rows_both.
+template <typename F, int R>
+inline void add_group_half(const uint8_t* group, int h, const __m256i (&dot)[R], const Int8Rows& x, int64_t i,
+                           __m256 (&acc)[R]) {
+  const __m256 scale = floats_as<F::half>(group + F::codes_bytes, h);
+  const __m256 minimum = F::has_min ? floats_as<F::half>(group + F::codes_bytes + F::floats_bytes, h)
+                                    : _mm256_setzero_ps();
+  for (int r = 0; r < R; ++r) {
+    // zero * sum a is 0 for a type with minimums (zero point 0, checked by the op)
+    const __m256i idot = F::has_min ? dot[r] : _mm256_sub_epi32(dot[r], _mm256_set1_epi32(x.zsum[i + r]));
+    __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(idot), scale);
+    if constexpr (F::has_min) t = _mm256_add_ps(t, _mm256_mul_ps(minimum, _mm256_set1_ps(x.fsum[i + r])));
+    acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(t, _mm256_set1_ps(x.scale[i + r])));
+  }
+}
+
 template <typename F, int R>
 void int8_rows(const Weights& w, const uint8_t* panel, const Int8Rows& x, int64_t r0, float* y, int64_t ldy,
                int64_t col0) {
@@ -59,9 +76,6 @@ void int8_rows(const Weights& w, const uint8_t* panel, const Int8Rows& x, int64_
   constexpr int S = kSteps<BITS>;
   const int64_t groups = w.groups, m = x.m;
   const int32_t* const xq = x.q + r0 * S;
-  const int32_t* const xz = x.zsum + r0;
-  const float* const xf = x.fsum + r0;
-  const float* const xs = x.scale + r0;
   const __m256i ones = _mm256_set1_epi16(1);
   for (int h = 0; h < 2; ++h) {
     __m256 acc[R];
@@ -109,17 +123,7 @@ void int8_rows(const Weights& w, const uint8_t* panel, const Int8Rows& x, int64_
       if constexpr (kOdd)
         for (int r = 0; r < R; ++r) dot[r] = _mm256_add_epi32(dot[r], part[r]);
 #endif
-      const __m256 scale = floats_as<F::half>(group + F::codes_bytes, h);
-      const __m256 minimum = F::has_min ? floats_as<F::half>(group + F::codes_bytes + F::floats_bytes, h)
-                                        : _mm256_setzero_ps();
-      const int64_t i = g * m;
-      for (int r = 0; r < R; ++r) {
-        // zero * sum a is 0 for a type with minimums (zero point 0, checked by the op)
-        const __m256i idot = F::has_min ? dot[r] : _mm256_sub_epi32(dot[r], _mm256_set1_epi32(xz[i + r]));
-        __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(idot), scale);
-        if constexpr (F::has_min) t = _mm256_add_ps(t, _mm256_mul_ps(minimum, _mm256_set1_ps(xf[i + r])));
-        acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(t, _mm256_set1_ps(xs[i + r])));
-      }
+      add_group_half<F, R>(group, h, dot, x, g * m + r0, acc);
     }
     for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (r0 + r) * ldy + col0 + kHalf * h, acc[r]);
   }
@@ -136,15 +140,15 @@ void int8_rows_both(const Weights& w, const uint8_t* panel, const Int8Rows& x, i
   constexpr int S = kSteps<BITS>;
   const int64_t m = x.m;
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  __m256 acc[2][R];
+  for (int r = 0; r < R; ++r) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < w.groups; ++g) {
     const uint8_t* group = panel + g * F::group_bytes;
     prefetch_form<F>(group);
     const int32_t* a0 = x.q + r0 * S + g * m * S;  // step s, row r: a0[r * S + s]
-    __m256i dot[R][2], part[R][2];
-    for (int r = 0; r < R; ++r)
-      for (int h = 0; h < 2; ++h) dot[r][h] = part[r][h] = _mm256_setzero_si256();
+    __m256i dot[2][R], part[2][R];
+    for (int h = 0; h < 2; ++h)
+      for (int r = 0; r < R; ++r) dot[h][r] = part[h][r] = _mm256_setzero_si256();
 #pragma GCC unroll 8
     for (int s = 0; s < S; ++s) {
       const __m256i q[2] = {codes_of<BITS>(group, s, 0), codes_of<BITS>(group, s, 1)};
@@ -153,30 +157,19 @@ void int8_rows_both(const Weights& w, const uint8_t* panel, const Int8Rows& x, i
         for (int h = 0; h < 2; ++h) {
           const __m256i uq = BITS == 8 ? _mm256_abs_epi8(q[h]) : q[h];
           const __m256i signed_a = BITS == 8 ? _mm256_sign_epi8(a, q[h]) : a;
-          part[r][h] = _mm256_add_epi16(part[r][h], _mm256_maddubs_epi16(uq, signed_a));
-          __asm__("" : "+x"(part[r][h]));  // as in int8_rows
+          part[h][r] = _mm256_add_epi16(part[h][r], _mm256_maddubs_epi16(uq, signed_a));
+          __asm__("" : "+x"(part[h][r]));  // as in int8_rows
           if ((s + 1) % kInt16Steps<BITS> == 0) {
-            dot[r][h] = _mm256_add_epi32(dot[r][h], _mm256_madd_epi16(part[r][h], ones));
-            part[r][h] = _mm256_setzero_si256();
+            dot[h][r] = _mm256_add_epi32(dot[h][r], _mm256_madd_epi16(part[h][r], ones));
+            part[h][r] = _mm256_setzero_si256();
           }
         }
       }
     }
-    const int64_t i = g * m + r0;
-    for (int h = 0; h < 2; ++h) {
-      const __m256 scale = floats_as<F::half>(group + F::codes_bytes, h);
-      const __m256 minimum = F::has_min ? floats_as<F::half>(group + F::codes_bytes + F::floats_bytes, h)
-                                        : _mm256_setzero_ps();
-      for (int r = 0; r < R; ++r) {
-        const __m256i idot = F::has_min ? dot[r][h] : _mm256_sub_epi32(dot[r][h], _mm256_set1_epi32(x.zsum[i + r]));
-        __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(idot), scale);
-        if constexpr (F::has_min) t = _mm256_add_ps(t, _mm256_mul_ps(minimum, _mm256_set1_ps(x.fsum[i + r])));
-        acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_mul_ps(t, _mm256_set1_ps(x.scale[i + r])));
-      }
-    }
+    for (int h = 0; h < 2; ++h) add_group_half<F, R>(group, h, dot[h], x, g * m + r0, acc[h]);
   }
   for (int r = 0; r < R; ++r)
-    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + (r0 + r) * ldy + col0 + kHalf * h, acc[r][h]);
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + (r0 + r) * ldy + col0 + kHalf * h, acc[h][r]);
 }
 #endif
 
