@@ -9,6 +9,9 @@
 // gguf_linear_avx512.h), so a 4-bit group costs one madd per row.
 #include <immintrin.h>
 
+#include <algorithm>
+#include <vector>
+
 #include "gguf_linear.h"
 
 namespace trtspec_gguf {
@@ -19,7 +22,7 @@ constexpr int kMaxRows = 6;  // R int32 sums (and under 4 rows R more), R float 
 #else
 constexpr int kMaxRows = 5;  // R int16 partial sums (a 4-bit group's whole), R float sums
 #endif
-constexpr int kMaxFloatRows = 3;  // 12 sums d_t, a tile of 3 rows over one half
+constexpr int kMaxFloatRows = 2;  // float_rows' tiles (more rows: float_wide)
 constexpr int kHalf = 8;  // columns of a ymm register
 
 template <int BITS> constexpr int kGroup = BITS == 6 ? 16 : 32;
@@ -180,7 +183,8 @@ inline __m256i byte_to_top(int t) {
   return _mm256_setr_epi32(lane(0), lane(1), lane(2), lane(3), lane(0), lane(1), lane(2), lane(3));
 }
 
-// Float activations (gguf_linear.h): R rows, H halves a pass (both for one row, to keep 8 sums in flight). Codes
+// Float activations (gguf_linear.h) for one or two rows (float_wide below takes more): R rows, H halves a pass (both
+// for one row, to keep 8 sums in flight). Codes
 // minus the zero point are int8 in a lane's top byte, so the sums d_t carry a factor 2^24, taken off the scale
 // instead (powers of two change no rounding: the same bits as the portable path, short of an overflow or a
 // subnormal no activation comes near).
@@ -237,6 +241,124 @@ void float_rows(const Weights& w, const uint8_t* panel, const FloatRows& x, int6
   }
 }
 
+// Float activations for kWideFrom rows and more. In float_rows a row's codes cost a shuffle and a conversion per 8
+// weights, as much as its multiply-adds, again in every tile. Here a tile of up to 6 rows takes both halves (12 sums,
+// R broadcasts a k), and the panel's codes are converted once a chunk of K: the chunk's first tile keeps its floats
+// (c * 2^24, the values float_rows makes; [group][t][s][16 columns], 64 bytes a k) for the others. The sums d_t go
+// one after another (t outer), each over s in order, then (d_0 + d_1) + (d_2 + d_3): float_rows' steps, the same bits.
+constexpr int kWideFrom = 3;
+constexpr int kMaxWideRows = 6;
+constexpr int64_t kWideChunk = 256;  // k a pass of the tiles: its floats (16 KiB) and the tiles' x stay in L1
+
+// Where a tile's floats come from: the codes (converted in registers), the codes with the floats kept for the
+// chunk's next tiles, or the floats a first tile kept.
+enum class Source { codes, codes_kept, kept };
+
+// One sum d_t of a group for R rows over both halves (xk: row 0's x at k = g * G + t; kept: the group's floats).
+template <typename F, int T, Source SRC, int R>
+__attribute__((always_inline)) inline void group_sums_t(const uint8_t* group, __m256i zero, float* kept,
+                                                         const float* xk, int64_t m, __m256 (&d)[R][2]) {
+  constexpr int S = kSteps<F::bits>;
+  for (int r = 0; r < R; ++r) d[r][0] = d[r][1] = _mm256_setzero_ps();
+  float* u = kept + T * S * kPanel;  // [t][s][16 columns]
+#pragma GCC unroll 8
+  for (int s = 0; s < S; ++s, xk += 4 * m, u += kPanel) {
+    __m256 f[2];
+    for (int j = 0; j < 2; ++j) {
+      if constexpr (SRC == Source::kept) {
+        f[j] = _mm256_load_ps(u + kHalf * j);
+      } else {
+        const __m256i c = _mm256_sub_epi8(codes_of<F::bits>(group, s, j), zero);
+        f[j] = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(c, byte_to_top(T)));
+        if constexpr (SRC == Source::codes_kept) _mm256_store_ps(u + kHalf * j, f[j]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 xb = _mm256_broadcast_ss(xk + r);
+      d[r][0] = _mm256_fmadd_ps(f[0], xb, d[r][0]);
+      d[r][1] = _mm256_fmadd_ps(f[1], xb, d[r][1]);
+    }
+  }
+}
+
+template <typename F, Source SRC, int R>
+void float_rows_wide(const Weights& w, const uint8_t* panel, int64_t g0, int64_t g1, float* kept, const FloatRows& x,
+                     int64_t r0, float* y, int64_t ldy, int64_t col0) {
+  constexpr int BITS = F::bits, G = kGroup<BITS>;
+  const int64_t m = x.m;
+  const __m256i zero = _mm256_set1_epi8(static_cast<char>(w.zero));
+  const __m256 unscale = _mm256_set1_ps(1.0f / 16777216.0f);
+  __m256 acc[R][2];  // in memory between groups, as d_0 + d_1 and d_2: the 12 sums d take the registers
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 2; ++j)
+      acc[r][j] = g0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(y + (r0 + r) * ldy + col0 + kHalf * j);
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* group = panel + g * F::group_bytes;
+    if constexpr (SRC != Source::kept) prefetch_form<F>(group);
+    float* kg = kept + (g - g0) * G * kPanel;
+    const float* xg = x.xt + g * G * m + r0;  // k = g * G + 4s + t: row r at xg[(4s + t) * m + r]
+    __m256 d[R][2], pair[R][2], third[R][2];
+    group_sums_t<F, 0, SRC>(group, zero, kg, xg, m, d);
+    for (int r = 0; r < R; ++r) pair[r][0] = d[r][0], pair[r][1] = d[r][1];
+    group_sums_t<F, 1, SRC>(group, zero, kg, xg + m, m, d);
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 2; ++j) pair[r][j] = _mm256_add_ps(pair[r][j], d[r][j]);
+    group_sums_t<F, 2, SRC>(group, zero, kg, xg + 2 * m, m, d);
+    for (int r = 0; r < R; ++r) third[r][0] = d[r][0], third[r][1] = d[r][1];
+    group_sums_t<F, 3, SRC>(group, zero, kg, xg + 3 * m, m, d);
+    for (int j = 0; j < 2; ++j) {
+      const __m256 scale = _mm256_mul_ps(floats_as<F::half>(group + F::codes_bytes, j), unscale);
+      for (int r = 0; r < R; ++r) {
+        const __m256 sum = _mm256_add_ps(pair[r][j], _mm256_add_ps(third[r][j], d[r][j]));
+        acc[r][j] = _mm256_fmadd_ps(sum, scale, acc[r][j]);
+      }
+      if constexpr (F::has_min) {
+        const __m256 minimum = floats_as<F::half>(group + F::codes_bytes + F::floats_bytes, j);
+        for (int r = 0; r < R; ++r)
+          acc[r][j] = _mm256_fmadd_ps(minimum, _mm256_broadcast_ss(x.xsum + g * m + r0 + r), acc[r][j]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 2; ++j) _mm256_storeu_ps(y + (r0 + r) * ldy + col0 + kHalf * j, acc[r][j]);
+}
+
+template <typename F, Source SRC>
+void float_tile_wide(int64_t n, const Weights& w, const uint8_t* panel, int64_t g0, int64_t g1, float* kept,
+                     const FloatRows& x, int64_t r0, float* y, int64_t ldy, int64_t col0) {
+  switch (n) {
+    case 6: float_rows_wide<F, SRC, 6>(w, panel, g0, g1, kept, x, r0, y, ldy, col0); break;
+    case 5: float_rows_wide<F, SRC, 5>(w, panel, g0, g1, kept, x, r0, y, ldy, col0); break;
+    case 4: float_rows_wide<F, SRC, 4>(w, panel, g0, g1, kept, x, r0, y, ldy, col0); break;
+    default: float_rows_wide<F, SRC, 3>(w, panel, g0, g1, kept, x, r0, y, ldy, col0); break;
+  }
+}
+
+template <typename F>
+void float_wide(const Weights& w, const FloatRows& x, float* y, int64_t ldy, int64_t p0, int64_t p1) {
+  constexpr int64_t chunk = kWideChunk / kGroup<F::bits>;  // groups
+  thread_local std::vector<__m256> kept;  // a chunk's floats, per thread (__m256: 32-byte aligned)
+  kept.resize(kWideChunk * 2);
+  float* const u = reinterpret_cast<float*>(kept.data());
+  const int64_t panel_bytes = w.groups * w.group_bytes;
+  const int64_t first = tile_rows(x.m, kMaxWideRows);
+  for (int64_t p = p0; p < p1; ++p) {
+    const uint8_t* panel = w.data + p * panel_bytes;
+    for (int64_t g0 = 0; g0 < w.groups; g0 += chunk) {
+      const int64_t g1 = std::min(w.groups, g0 + chunk);
+      if (first == x.m) {
+        float_tile_wide<F, Source::codes>(first, w, panel, g0, g1, u, x, 0, y, ldy, p * kPanel);
+        continue;
+      }
+      float_tile_wide<F, Source::codes_kept>(first, w, panel, g0, g1, u, x, 0, y, ldy, p * kPanel);
+      for (int64_t r = first, n; r < x.m; r += n) {
+        n = tile_rows(x.m - r, kMaxWideRows);
+        float_tile_wide<F, Source::kept>(n, w, panel, g0, g1, u, x, r, y, ldy, p * kPanel);
+      }
+    }
+  }
+}
+
 template <typename F, bool INT8, typename X>
 void panels(const Weights& w, const X& x, int64_t m, float* y, int64_t ldy, int64_t p0, int64_t p1) {
   const int64_t panel_bytes = w.groups * w.group_bytes;
@@ -263,7 +385,6 @@ void panels(const Weights& w, const X& x, int64_t m, float* y, int64_t ldy, int6
         }
       } else {
         switch (n) {
-          case 3: float_rows<F, 3, 1>(w, panel, x, r, y, ldy, col0); break;
           case 2: float_rows<F, 2, 1>(w, panel, x, r, y, ldy, col0); break;
           default: float_rows<F, 1, 2>(w, panel, x, r, y, ldy, col0); break;
         }
@@ -278,7 +399,10 @@ void int8_any(const Weights& w, const Int8Rows& x, float* y, int64_t ldy, int64_
 
 #ifndef TRTSPEC_AVXVNNI  // that file runs no float kernel: none compiled for it
 void float_any(const Weights& w, const FloatRows& x, float* y, int64_t ldy, int64_t p0, int64_t p1) {
-  with_layer_form(w, [&](auto form) { panels<decltype(form), false>(w, x, x.m, y, ldy, p0, p1); });
+  with_layer_form(w, [&](auto form) {
+    if (x.m >= kWideFrom) float_wide<decltype(form)>(w, x, y, ldy, p0, p1);
+    else panels<decltype(form), false>(w, x, x.m, y, ldy, p0, p1);
+  });
 }
 #endif
 
