@@ -2,10 +2,11 @@
 // call's number of rows and threads, and on every instruction set. The arithmetic is written on GCC's vectors of
 // 16 floats (vec16.h), lane by lane, every multiply-add fused (fma16: vfmadd, or fmaf where the CPU has none);
 // each ISA file includes this after its own #pragma GCC target, and the compiler makes one zmm, two ymm or scalar
-// code of it with the same IEEE steps per lane (on AVX2 the 16-key sums and the value sums are written on ymm
-// halves instead, the same steps: GCC's own code for them went through memory lane by lane). The int8-activation
-// builds need that: their verify call's logits must equal the decode call's. It replaces a graph of products and
-// sums whose compiled loops divided once per key and head-dim chunk, and recomputed the rotary embedding per key.
+// code of it with the same IEEE steps per lane (on AVX2 the 16-key blocks' scores, mask and maximum, the exps and the
+// value sums are written on ymm halves instead, the same steps: GCC's own code for them went through memory lane by
+// lane, or in xmm pieces). The int8-activation builds need that: their verify call's logits must equal the decode
+// call's. It replaces a graph of products and sums whose compiled loops divided once per key and head-dim chunk, and
+// recomputed the rotary embedding per key.
 //
 // Per row (b, h, t), kh = h / (H / Hkv) its key head, over the keys s with mask[b, t, s]:
 //   score_s = dot(q, k_s) * scale      dot: 16 lanes, lane l fma-ing d = l, l + 16, ... in order, then the lanes
@@ -76,9 +77,9 @@ inline f16x lanes_sums16(const Dot& dot) {
 
 #if defined(TRTSPEC_VEC_YMM)
 // lanes_sums16 on ymm halves: the same additions of the same lanes, in AVX's shuffles (GCC makes the generic
-// two-vector shuffles lane by lane through memory). `dot(j, h)` gives key j's lanes as halves h.
+// two-vector shuffles lane by lane through memory). `dot(j, h)` gives key j's lanes as halves h; out: keys 0-7, 8-15.
 template <typename Dot>
-inline f16x lanes_sums16_ymm(const Dot& dot) {
+inline void lanes_sums16_ymm(const Dot& dot, __m256 (&out)[2]) {
   __m256 quarters[4][2];
   for (int j = 0; j < 4; ++j) {
     __m256 a[2], b[2], c[2], d[2];
@@ -94,7 +95,6 @@ inline f16x lanes_sums16_ymm(const Dot& dot) {
       quarters[j][i] = _mm256_add_ps(_mm256_permute2f128_ps(low[i], high[i], 0x20),
                                      _mm256_permute2f128_ps(low[i], high[i], 0x31));
   }
-  __m256 out[2];
   for (int i = 0; i < 2; ++i) {
     // step 3: l + (l + 2), pairs of lanes of keys j and j + 2 in each 4-lane group
     const __m256 even = _mm256_add_ps(_mm256_shuffle_ps(quarters[0][i], quarters[2][i], _MM_SHUFFLE(1, 0, 1, 0)),
@@ -106,7 +106,6 @@ inline f16x lanes_sums16_ymm(const Dot& dot) {
                                       _mm256_shuffle_ps(even, odd, _MM_SHUFFLE(3, 1, 3, 1)));
     out[i] = _mm256_permute_ps(sums, _MM_SHUFFLE(3, 1, 2, 0));
   }
-  return from_halves<f16x>(out);
 }
 #endif
 
@@ -131,6 +130,30 @@ inline f16x exp_nonpositive(f16x x) {
   return tiny ? splat(0.0f) : p * scale;
 }
 
+#if defined(TRTSPEC_VEC_YMM)
+// exp_nonpositive on a ymm half: the same steps per lane (GCC lowers the generic version's selects and conversion to
+// xmm pieces through memory). `x < -87` is an ordered compare, false for NaN, as the generic one.
+inline __m256 exp_nonpositive_ymm(__m256 x) {
+  const __m256 lowest = _mm256_set1_ps(-87.0f);
+  const __m256 tiny = _mm256_cmp_ps(x, lowest, _CMP_LT_OQ);
+  x = _mm256_blendv_ps(x, lowest, tiny);
+  const __m256 magic = _mm256_set1_ps(12582912.0f);
+  const __m256 n = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), magic), magic);
+  const __m256 r = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f))),
+                                 _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
+  __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_blendv_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(bits)), _mm256_setzero_ps(), tiny);
+}
+#endif
+
 // The keys [lo, hi) from a row's first visible key to its last (lo = hi: none), its mask's bytes read 64 at a time
 // from each end (a decode early in a long cache sees a short prefix of it).
 inline void visible_span(const bool* m, int64_t S, int64_t ms, int64_t& lo, int64_t& hi) {
@@ -148,6 +171,10 @@ inline void visible_span(const bool* m, int64_t S, int64_t ms, int64_t& lo, int6
   while (lo < hi && !m[lo * ms]) ++lo;
   while (hi > lo && !m[(hi - 1) * ms]) --hi;
 }
+
+#if defined(TRTSPEC_VEC_YMM)
+constexpr int64_t kValueBlock = 64;  // keys a block of the ymm value sums (a multiple of 4)
+#endif
 
 // Rows [r0, r1) of the B * H * T with C = D / 16 (0: any D, the accumulators in scratch rather than registers);
 // scratch: S rounded up to 16, plus D floats. Every C computes the same steps.
@@ -184,6 +211,54 @@ void attention_rows_of(const AttentionArgs& a, int64_t r0, int64_t r1, float* __
     float top = -inf;
     int64_t s = first;
     if constexpr (C > 0) {  // 16 keys at a time (the same sums as one at a time below, fewer shuffles)
+#if defined(TRTSPEC_VEC_YMM)
+      // on ymm halves throughout: the same steps as the generic loop below (max is exact in any order)
+      const __m256 minus_inf = _mm256_set1_ps(-inf);
+      __m256 tops[2] = {minus_inf, minus_inf};
+      for (; s + kLanes <= end; s += kLanes) {
+        __m256 visible[2];  // all ones where the key is visible
+        if (a.ms == 1) {
+          const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(m + s));
+          if (_mm_testz_si128(bytes, bytes)) {
+            _mm256_storeu_ps(e + s, minus_inf);
+            _mm256_storeu_ps(e + s + 8, minus_inf);
+            continue;
+          }
+          visible[0] = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_cvtepu8_epi32(bytes), _mm256_setzero_si256()));
+          visible[1] = _mm256_castsi256_ps(
+              _mm256_cmpgt_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)), _mm256_setzero_si256()));
+        } else {
+          i16x flags;
+          for (int j = 0; j < kLanes; ++j) flags[j] = m[(s + j) * a.ms] ? -1 : 0;
+          if (!lanes_any(flags)) {
+            _mm256_storeu_ps(e + s, minus_inf);
+            _mm256_storeu_ps(e + s + 8, minus_inf);
+            continue;
+          }
+          to_halves(flags, visible);
+        }
+        const float* keys = kbase + s * a.D;
+        __m256 scores[2];
+        lanes_sums16_ymm([&](int j, __m256 (&h)[2]) {
+          h[0] = h[1] = _mm256_setzero_ps();
+          for (int c = 0; c < C; ++c)
+            for (int i = 0; i < 2; ++i)
+              h[i] = _mm256_fmadd_ps(qh[c][i], _mm256_loadu_ps(keys + j * a.D + c * kLanes + 8 * i), h[i]);
+        }, scores);
+        for (int i = 0; i < 2; ++i) scores[i] = _mm256_mul_ps(scores[i], _mm256_set1_ps(a.scale));
+        if (a.softcap != 0.0f) {
+          f16x capped = from_halves<f16x>(scores);
+          for (int j = 0; j < kLanes; ++j) capped[j] = std::tanh(capped[j] / a.softcap) * a.softcap;
+          to_halves(capped, scores);
+        }
+        for (int i = 0; i < 2; ++i) {
+          scores[i] = _mm256_blendv_ps(minus_inf, scores[i], visible[i]);
+          _mm256_storeu_ps(e + s + 8 * i, scores[i]);
+          tops[i] = _mm256_max_ps(tops[i], scores[i]);  // tops > scores ? tops : scores, as max16
+        }
+      }
+      top = lanes_max(from_halves<f16x>(tops));
+#else
       f16x tops = splat(-inf);  // the largest visible score lane by lane (a maximum: exact in any order)
       for (; s + kLanes <= end; s += kLanes) {
         i16x visible;
@@ -199,20 +274,11 @@ void attention_rows_of(const AttentionArgs& a, int64_t r0, int64_t r1, float* __
           continue;
         }
         const float* keys = kbase + s * a.D;
-#if defined(TRTSPEC_VEC_YMM)
-        f16x scores = lanes_sums16_ymm([&](int j, __m256 (&h)[2]) {
-          h[0] = h[1] = _mm256_setzero_ps();
-          for (int c = 0; c < C; ++c)
-            for (int i = 0; i < 2; ++i)
-              h[i] = _mm256_fmadd_ps(qh[c][i], _mm256_loadu_ps(keys + j * a.D + c * kLanes + 8 * i), h[i]);
-        }) * a.scale;
-#else
         f16x scores = lanes_sums16([&](int j) {
           f16x lanes{};
           for (int c = 0; c < C; ++c) lanes = fma16(qv[c], load16(keys + j * a.D + c * kLanes), lanes);
           return lanes;
         }) * a.scale;
-#endif
         if (a.softcap != 0.0f)
           for (int j = 0; j < kLanes; ++j) scores[j] = std::tanh(scores[j] / a.softcap) * a.softcap;
         scores = visible ? scores : splat(-inf);
@@ -220,6 +286,7 @@ void attention_rows_of(const AttentionArgs& a, int64_t r0, int64_t r1, float* __
         tops = max16(tops, scores);
       }
       top = lanes_max(tops);
+#endif
     }
     for (; s < end; ++s) {
       if (!m[s * a.ms]) {
@@ -241,7 +308,12 @@ void attention_rows_of(const AttentionArgs& a, int64_t r0, int64_t r1, float* __
       top = score > top ? score : top;
     }
     for (int64_t s = end; s < last; ++s) e[s] = -inf;
+#if defined(TRTSPEC_VEC_YMM)
+    for (int64_t s = first; s < last; s += 8)
+      _mm256_storeu_ps(e + s, exp_nonpositive_ymm(_mm256_sub_ps(_mm256_loadu_ps(e + s), _mm256_set1_ps(top))));
+#else
     for (int64_t s = first; s < last; s += kLanes) store16(e + s, exp_nonpositive(load16(e + s) - top));
+#endif
     if constexpr (C > 0) {
       // four sums, key s into sum s % 4 (one chain of additions over every key kept a row's loop waiting on its
       // latency), and the weights' total 16 lanes at a time (the padding's weights are 0)
@@ -249,32 +321,42 @@ void attention_rows_of(const AttentionArgs& a, int64_t r0, int64_t r1, float* __
       for (int64_t s = first; s < last; s += kLanes) weights = weights + load16(e + s);
       const float inv = 1.0f / lanes_sum(weights);
 #if defined(TRTSPEC_VEC_YMM)
-      // 16 lanes of the head at a time, over every key: the same sums per lane in the same order, 8 ymm sums live
-      for (int c = 0; c < C; ++c) {
-        __m256 sum[4][2];
-        for (int j = 0; j < 4; ++j) sum[j][0] = sum[j][1] = _mm256_setzero_ps();
-        auto add = [&](__m256 (&acc)[2], int64_t s) {
-          const float w = e[s];
-          if (w == 0.0f) return;  // a masked key's value is never read
-          const float* value = vbase + s * a.D + c * kLanes;
-          const __m256 wv = _mm256_set1_ps(w);
-          acc[0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(value), acc[0]);
-          acc[1] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(value + 8), acc[1]);
-        };
-        int64_t s = first;
-        for (; s + 4 <= end; s += 4) {
-          add(sum[0], s);
-          add(sum[1], s + 1);
-          add(sum[2], s + 2);
-          add(sum[3], s + 3);
+      // 16 lanes of the head at a time over a block of kValueBlock keys, 8 ymm sums live, kept in `sums` between
+      // blocks: a block's values stay in L1 for the head's C passes (passes over every key read them C times from
+      // L2). Key s still goes into sum (s - first) % 4 (blocks start at first + a multiple of 4), in key order.
+      __m256 sums[C][4][2];
+      for (int c = 0; c < C; ++c)
+        for (int j = 0; j < 4; ++j) sums[c][j][0] = sums[c][j][1] = _mm256_setzero_ps();
+      for (int64_t b0 = first; b0 < end; b0 += kValueBlock) {
+        const int64_t b1 = end < b0 + kValueBlock ? end : b0 + kValueBlock;
+        for (int c = 0; c < C; ++c) {
+          __m256 sum[4][2];
+          for (int j = 0; j < 4; ++j) sum[j][0] = sums[c][j][0], sum[j][1] = sums[c][j][1];
+          auto add = [&](__m256 (&acc)[2], int64_t s) {
+            const float w = e[s];
+            if (w == 0.0f) return;  // a masked key's value is never read
+            const float* value = vbase + s * a.D + c * kLanes;
+            const __m256 wv = _mm256_set1_ps(w);
+            acc[0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(value), acc[0]);
+            acc[1] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(value + 8), acc[1]);
+          };
+          int64_t s = b0;
+          for (; s + 4 <= b1; s += 4) {
+            add(sum[0], s);
+            add(sum[1], s + 1);
+            add(sum[2], s + 2);
+            add(sum[3], s + 3);
+          }
+          for (int j = 0; s < b1; ++s, ++j) add(sum[j], s);  // the last block's last keys
+          for (int j = 0; j < 4; ++j) sums[c][j][0] = sum[j][0], sums[c][j][1] = sum[j][1];
         }
-        for (int j = 0; s < end; ++s, ++j) add(sum[j], s);
+      }
+      for (int c = 0; c < C; ++c)
         for (int i = 0; i < 2; ++i)
           _mm256_storeu_ps(o + c * kLanes + 8 * i,
-                           _mm256_mul_ps(_mm256_add_ps(_mm256_add_ps(sum[0][i], sum[1][i]),
-                                                       _mm256_add_ps(sum[2][i], sum[3][i])),
+                           _mm256_mul_ps(_mm256_add_ps(_mm256_add_ps(sums[c][0][i], sums[c][1][i]),
+                                                       _mm256_add_ps(sums[c][2][i], sums[c][3][i])),
                                          _mm256_set1_ps(inv)));
-      }
 #else
       f16x sum[4][C];
       for (int j = 0; j < 4; ++j)
