@@ -46,6 +46,7 @@ from trtspec import kernels
 from trtspec.engines import load_engine
 from trtspec.runtime import Generator
 mode, engine_dir, reps, new_tokens, prompts = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), json.loads(sys.argv[5])
+position, calls_only = int(sys.argv[6]), sys.argv[7] == "1"
 e = load_engine(engine_dir, num_threads=2)
 want = os.environ["TRTSPEC_KERNEL_PATH"]
 if want not in kernels.paths():  # a baseline's kernels without this path
@@ -54,7 +55,7 @@ if want not in kernels.paths():  # a baseline's kernels without this path
 kernels.use_path(want)  # as TRTSPEC_KERNEL_PATH does from now on; a baseline may predate the variable
 out = {"path": kernels.status()["path"]}
 if mode == "calls":
-    p = 100
+    p = position
     e.reset()
     e.forward(np.arange(p)[None] % 500 + 100, np.arange(p)[None])
     for n in (1, 5, 9, 17):
@@ -67,12 +68,14 @@ if mode == "calls":
             times[n].append(time.perf_counter() - t)
     out["ms"] = {n: statistics.median(v) * 1e3 for n, v in times.items()}
     prefill = []
-    for _ in range(3):  # a 512-token prompt in one call, as llama-bench's pp512
+    for _ in range(0 if calls_only else 3):  # a 512-token prompt in one call, as llama-bench's pp512
         e.reset()
         t = time.perf_counter()
         e.forward(np.arange(512)[None] % 500 + 100, np.arange(512)[None])
         prefill.append(512 / (time.perf_counter() - t))
-    out["prefill_tok_s"] = statistics.median(prefill)
+    out["prefill_tok_s"] = statistics.median(prefill) if prefill else None
+elif calls_only:
+    out["decode_tok_s"] = None
 else:
     gen = Generator(e, drafter="none")
     gen.generate(prompts[0], max_new_tokens=4)  # first calls of each shape
@@ -97,12 +100,23 @@ def _worktree(rev: str, into: Path) -> Path:
     return into
 
 
-def _run(src: Path, path: str, engine: Path, reps: int, new_tokens: int) -> dict:
+def _median(values) -> float | None:
+    """The median of the figures a round measured (None: not measured, --calls-only)."""
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def _figure(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _run(src: Path, path: str, engine: Path, reps: int, new_tokens: int, position: int, calls_only: bool) -> dict:
     env = {**os.environ, "TRTSPEC_KERNEL_PATH": path, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "2"}
     out = {}
     for mode in ("calls", "decode"):
         done = subprocess.run([sys.executable, "-c", CHILD, mode, str(engine.resolve()), str(reps), str(new_tokens),
-                               json.dumps(PROMPTS)], env=env, capture_output=True, text=True, cwd=src)
+                               json.dumps(PROMPTS), str(position), "1" if calls_only else "0"], env=env,
+                              capture_output=True, text=True, cwd=src)
         if done.returncode:
             raise RuntimeError(f"{engine} on {path} ({src}) failed:\n{done.stderr[-3000:]}")
         out.update(json.loads(done.stdout.strip().splitlines()[-1]))
@@ -122,6 +136,9 @@ def main() -> None:
     ap.add_argument("--llama-bench", nargs="*", default=[], metavar="LABEL=BINARY",
                     help="llama.cpp builds to run beside (benchmarks/LLAMA_CPP.md), each round: tg128, pp16, pp512")
     ap.add_argument("--gguf", type=Path, help="the GGUF file for --llama-bench (default: the engines' source)")
+    ap.add_argument("--position", type=int, default=100, help="the cache position of the timed calls")
+    ap.add_argument("--calls-only", action="store_true", help="time the calls only: no plain decode, no 512-token "
+                    "prompt (a long-context study with --position)")
     ap.add_argument("--out", default="cpu-paths")
     args = ap.parse_args()
     from trtspec import kernels
@@ -148,12 +165,13 @@ def main() -> None:
                 for label, src in sources.items():
                     for path in paths:
                         for engine in args.engines:
-                            out = _run(src, path, engine, args.reps, args.new_tokens)
+                            out = _run(src, path, engine, args.reps, args.new_tokens, args.position,
+                                       args.calls_only)
                             if "skip" in out:
                                 continue
                             runs.setdefault((label, path, engine.name), []).append(out)
                             print(f"round {r + 1}: {label}, {path}, {engine.name}: T=1 {out['ms']['1']:.2f} ms, "
-                                  f"decode {out['decode_tok_s']:.1f} tok/s", flush=True)
+                                  f"T=17 {out['ms']['17']:.2f} ms", flush=True)
                 for name, binary in llamas.items():
                     out = _llama_bench(Path(binary), gguf)
                     llama_runs.setdefault(name, []).append(out)
@@ -166,20 +184,20 @@ def main() -> None:
     for (label, path, engine), outs in runs.items():
         ms = {n: statistics.median(o["ms"][str(n)] for o in outs) for n in TOKENS}
         rows.append({"kernels": label, "path": path, "engine": engine, "ms": ms,
-                     "decode_tok_s": statistics.median(o["decode_tok_s"] for o in outs),
-                     "prefill_tok_s": statistics.median(o["prefill_tok_s"] for o in outs)})
+                     "decode_tok_s": _median(o["decode_tok_s"] for o in outs),
+                     "prefill_tok_s": _median(o["prefill_tok_s"] for o in outs)})
     llama = {name: {k: statistics.median(o[k] for o in outs if o[k] is not None) if any(o[k] for o in outs) else None
                     for k in ("tg128", "pp16", "pp512")} for name, outs in llama_runs.items()}
     result = {"cpu": cpu, "read_bandwidth_gbs": bandwidth, "rounds": args.rounds, "reps": args.reps,
-              "new_tokens": args.new_tokens, "rows": rows, "llama_bench": llama,
-              "llama_bench_binaries": llamas}
+              "position": args.position, "calls_only": args.calls_only, "new_tokens": args.new_tokens, "rows": rows,
+              "llama_bench": llama, "llama_bench_binaries": llamas}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{args.out}.json").write_text(json.dumps(result, indent=2))
+    also = ("" if args.calls_only else f" and plain decode through the Generator ({len(PROMPTS)} prompts x "
+            f"{args.new_tokens} tokens, time after the first token), and a 512-token prompt in one call")
     lines = [f"CPU: {cpu['model']}; ISA: {' '.join(cpu['isa'])}; 2 threads; 2-thread read bandwidth "
-             f"{bandwidth:.1f} GB/s (this run). Engine calls at position 100 (ms, and x the same run's decode call) "
-             f"and plain decode through the Generator ({len(PROMPTS)} prompts x {args.new_tokens} tokens, time after "
-             f"the first token), and a 512-token prompt in one call; medians over {args.rounds} alternating rounds, each "
-             "process on one path "
+             f"{bandwidth:.1f} GB/s (this run). Engine calls at position {args.position} (ms, and x the same run's "
+             f"decode call){also}; medians over {args.rounds} alternating rounds, each process on one path "
              "(TRTSPEC_KERNEL_PATH).", "",
              "| kernels | path | engine | " + " | ".join(f"T={n}" for n in TOKENS) + " | plain decode tok/s | "
              "512-token prefill tok/s |", "|---|---|---|" + "---|" * len(TOKENS) + "---|---|"]
@@ -187,7 +205,7 @@ def main() -> None:
         ms = row["ms"]
         lines.append(f"| {row['kernels']} | {row['path']} | {row['engine']} | "
                      + " | ".join(f"{ms[n]:.2f}" + ("" if n == 1 else f" ({ms[n] / ms[1]:.2f}x)") for n in TOKENS)
-                     + f" | {row['decode_tok_s']:.1f} | {row['prefill_tok_s']:.0f} |")
+                     + f" | {_figure(row['decode_tok_s'], 1)} | {_figure(row['prefill_tok_s'], 0)} |")
     def rate(v):
         return f"{v:.1f} tok/s" if v else "failed"
 
@@ -196,7 +214,7 @@ def main() -> None:
         lines += ["", f"llama-bench {name} ({llamas[name]}), medians of the same rounds: tg128 {rate(tg)}, pp16 "
                   f"{rate(figures['pp16'])}, pp512 {rate(figures['pp512'])}. Plain decode against its tg128: "
                   + "; ".join(f"{row['kernels']}, {row['path']}, {row['engine']}: {row['decode_tok_s'] / tg:.2f}x"
-                              for row in rows)]
+                              for row in rows if row["decode_tok_s"] and tg)]
     text = "\n".join(lines) + "\n"
     (RESULTS / f"{args.out}.md").write_text(text)
     print(text)
