@@ -255,10 +255,10 @@ constexpr int64_t kWideChunk = 256;  // k a pass of the tiles: its floats (16 Ki
 enum class Source { codes, codes_kept, kept };
 
 // One sum d_t of a group for R rows over both halves (xk: row 0's x at k = g * G + t; kept: the group's floats).
-template <typename F, int T, Source SRC, int R>
+template <int BITS, int T, Source SRC, int R>
 __attribute__((always_inline)) inline void group_sums_t(const uint8_t* group, __m256i zero, float* kept,
                                                          const float* xk, int64_t m, __m256 (&d)[R][2]) {
-  constexpr int S = kSteps<F::bits>;
+  constexpr int S = kSteps<BITS>;
   for (int r = 0; r < R; ++r) d[r][0] = d[r][1] = _mm256_setzero_ps();
   float* u = kept + T * S * kPanel;  // [t][s][16 columns]
 #pragma GCC unroll 8
@@ -268,7 +268,7 @@ __attribute__((always_inline)) inline void group_sums_t(const uint8_t* group, __
       if constexpr (SRC == Source::kept) {
         f[j] = _mm256_load_ps(u + kHalf * j);
       } else {
-        const __m256i c = _mm256_sub_epi8(codes_of<F::bits>(group, s, j), zero);
+        const __m256i c = _mm256_sub_epi8(codes_of<BITS>(group, s, j), zero);
         f[j] = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(c, byte_to_top(T)));
         if constexpr (SRC == Source::codes_kept) _mm256_store_ps(u + kHalf * j, f[j]);
       }
@@ -281,37 +281,44 @@ __attribute__((always_inline)) inline void group_sums_t(const uint8_t* group, __
   }
 }
 
+// A group's (d_0 + d_1) + (d_2 + d_3) for R rows, both halves: one function per code width, not per form (the
+// scales' width and the minimum only change the step after it), which keeps the build's compile time down.
+template <int BITS, Source SRC, int R>
+__attribute__((noinline)) void group_sums(const uint8_t* group, __m256i zero, float* kept, const float* xg, int64_t m,
+                                          __m256 (&sum)[R][2]) {
+  __m256 d[R][2], third[R][2];
+  group_sums_t<BITS, 0, SRC>(group, zero, kept, xg, m, d);
+  for (int r = 0; r < R; ++r) sum[r][0] = d[r][0], sum[r][1] = d[r][1];
+  group_sums_t<BITS, 1, SRC>(group, zero, kept, xg + m, m, d);
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 2; ++j) sum[r][j] = _mm256_add_ps(sum[r][j], d[r][j]);
+  group_sums_t<BITS, 2, SRC>(group, zero, kept, xg + 2 * m, m, d);
+  for (int r = 0; r < R; ++r) third[r][0] = d[r][0], third[r][1] = d[r][1];
+  group_sums_t<BITS, 3, SRC>(group, zero, kept, xg + 3 * m, m, d);
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 2; ++j) sum[r][j] = _mm256_add_ps(sum[r][j], _mm256_add_ps(third[r][j], d[r][j]));
+}
+
 template <typename F, Source SRC, int R>
 void float_rows_wide(const Weights& w, const uint8_t* panel, int64_t g0, int64_t g1, float* kept, const FloatRows& x,
                      int64_t r0, float* y, int64_t ldy, int64_t col0) {
-  constexpr int BITS = F::bits, G = kGroup<BITS>;
+  constexpr int G = kGroup<F::bits>;
   const int64_t m = x.m;
   const __m256i zero = _mm256_set1_epi8(static_cast<char>(w.zero));
   const __m256 unscale = _mm256_set1_ps(1.0f / 16777216.0f);
-  __m256 acc[R][2];  // in memory between groups, as d_0 + d_1 and d_2: the 12 sums d take the registers
+  __m256 acc[R][2];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 2; ++j)
       acc[r][j] = g0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(y + (r0 + r) * ldy + col0 + kHalf * j);
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* group = panel + g * F::group_bytes;
     if constexpr (SRC != Source::kept) prefetch_form<F>(group);
-    float* kg = kept + (g - g0) * G * kPanel;
-    const float* xg = x.xt + g * G * m + r0;  // k = g * G + 4s + t: row r at xg[(4s + t) * m + r]
-    __m256 d[R][2], pair[R][2], third[R][2];
-    group_sums_t<F, 0, SRC>(group, zero, kg, xg, m, d);
-    for (int r = 0; r < R; ++r) pair[r][0] = d[r][0], pair[r][1] = d[r][1];
-    group_sums_t<F, 1, SRC>(group, zero, kg, xg + m, m, d);
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < 2; ++j) pair[r][j] = _mm256_add_ps(pair[r][j], d[r][j]);
-    group_sums_t<F, 2, SRC>(group, zero, kg, xg + 2 * m, m, d);
-    for (int r = 0; r < R; ++r) third[r][0] = d[r][0], third[r][1] = d[r][1];
-    group_sums_t<F, 3, SRC>(group, zero, kg, xg + 3 * m, m, d);
+    __m256 sum[R][2];
+    // k = g * G + 4s + t: row r at xg[(4s + t) * m + r]
+    group_sums<F::bits, SRC, R>(group, zero, kept + (g - g0) * G * kPanel, x.xt + g * G * m + r0, m, sum);
     for (int j = 0; j < 2; ++j) {
       const __m256 scale = _mm256_mul_ps(floats_as<F::half>(group + F::codes_bytes, j), unscale);
-      for (int r = 0; r < R; ++r) {
-        const __m256 sum = _mm256_add_ps(pair[r][j], _mm256_add_ps(third[r][j], d[r][j]));
-        acc[r][j] = _mm256_fmadd_ps(sum, scale, acc[r][j]);
-      }
+      for (int r = 0; r < R; ++r) acc[r][j] = _mm256_fmadd_ps(sum[r][j], scale, acc[r][j]);
       if constexpr (F::has_min) {
         const __m256 minimum = floats_as<F::half>(group + F::codes_bytes + F::floats_bytes, j);
         for (int r = 0; r < R; ++r)
@@ -337,9 +344,12 @@ void float_tile_wide(int64_t n, const Weights& w, const uint8_t* panel, int64_t 
 template <typename F>
 void float_wide(const Weights& w, const FloatRows& x, float* y, int64_t ldy, int64_t p0, int64_t p1) {
   constexpr int64_t chunk = kWideChunk / kGroup<F::bits>;  // groups
-  thread_local std::vector<__m256> kept;  // a chunk's floats, per thread (__m256: 32-byte aligned)
+  struct alignas(32) Eight {
+    float f[kHalf];
+  };
+  thread_local std::vector<Eight> kept;  // a chunk's floats, per thread, aligned for the ymm loads and stores
   kept.resize(kWideChunk * 2);
-  float* const u = reinterpret_cast<float*>(kept.data());
+  float* const u = kept.data()->f;
   const int64_t panel_bytes = w.groups * w.group_bytes;
   const int64_t first = tile_rows(x.m, kMaxWideRows);
   for (int64_t p = p0; p < p1; ++p) {
