@@ -109,6 +109,10 @@ inline void lanes_sums16_ymm(const Dot& dot, __m256 (&out)[2]) {
 }
 #endif
 
+// exp's Taylor polynomial of degree 7, Horner's order: p = c_0, then p = p * r + c_i for i = 1 .. 7
+constexpr float kExpTaylor[8] = {1.0f / 5040.0f, 1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f,
+                                 1.0f};
+
 // exp(x) for x <= 0 (scores minus their maximum), 16 at a time: 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2, p exp's
 // Taylor polynomial of degree 7 (error under 1e-8 there); below -87 (2^-126; a masked key's -inf) it is 0.
 inline f16x exp_nonpositive(f16x x) {
@@ -116,14 +120,8 @@ inline f16x exp_nonpositive(f16x x) {
   x = tiny ? splat(-87.0f) : x;
   const f16x n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // rint(x / ln2)
   const f16x r = (x - n * 0.693359375f) - n * -2.12194440e-4f;              // ln2 in two parts
-  f16x p = splat(1.0f / 5040.0f);
-  p = fma16(p, r, splat(1.0f / 720.0f));
-  p = fma16(p, r, splat(1.0f / 120.0f));
-  p = fma16(p, r, splat(1.0f / 24.0f));
-  p = fma16(p, r, splat(1.0f / 6.0f));
-  p = fma16(p, r, splat(0.5f));
-  p = fma16(p, r, splat(1.0f));
-  p = fma16(p, r, splat(1.0f));
+  f16x p = splat(kExpTaylor[0]);
+  for (int i = 1; i < 8; ++i) p = fma16(p, r, splat(kExpTaylor[i]));
   const i16x bits = (__builtin_convertvector(n, i16x) + 127) << 23;
   f16x scale;
   std::memcpy(&scale, &bits, sizeof(scale));
@@ -141,14 +139,8 @@ inline __m256 exp_nonpositive_ymm(__m256 x) {
   const __m256 n = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), magic), magic);
   const __m256 r = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f))),
                                  _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
-  __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  __m256 p = _mm256_set1_ps(kExpTaylor[0]);
+  for (int i = 1; i < 8; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpTaylor[i]));
   const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_blendv_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(bits)), _mm256_setzero_ps(), tiny);
 }

@@ -314,7 +314,7 @@ void float_rows_wide(const Weights& w, const uint8_t* panel, int64_t g0, int64_t
     const uint8_t* group = panel + g * F::group_bytes;
     if constexpr (SRC != Source::kept) prefetch_form<F>(group);
     __m256 sum[R][2];
-    // k = g * G + 4s + t: row r at xg[(4s + t) * m + r]
+    // the group's x from row r0 on: row r0 + r's x at k = g * G + 4s + t is [(4s + t) * m + r] from there
     group_sums<F::bits, SRC, R>(group, zero, kept + (g - g0) * G * kPanel, x.xt + g * G * m + r0, m, sum);
     for (int j = 0; j < 2; ++j) {
       const __m256 scale = _mm256_mul_ps(floats_as<F::half>(group + F::codes_bytes, j), unscale);
