@@ -72,6 +72,41 @@ inline void add_group_half(const uint8_t* group, int h, const __m256i (&dot)[R],
   }
 }
 
+// The next panel's lines, half a group's bytes at each of the 2 * groups steps (pass h, group g) of a panel's two
+// passes: a steady stream from memory under all of the arithmetic. Asked for kPrefetchBytes past the group being
+// read, as the other kernels do, every request fell in the first pass (the second reads the panel again from L1), so
+// a call of 3 to 5 rows waited on memory in the first pass and left it idle in the second.
+template <typename F>
+inline void prefetch_next_panel(const uint8_t* panel, int64_t groups, int h, int64_t g) {
+  constexpr int64_t kStep = F::group_bytes / 2;
+  const uint8_t* from = panel + groups * F::group_bytes + (h * groups + g) * kStep;
+  const uintptr_t line = reinterpret_cast<uintptr_t>(from) & ~uintptr_t{63};
+#pragma GCC unroll 8
+  for (uintptr_t l = line; l < reinterpret_cast<uintptr_t>(from) + kStep; l += 64)
+    __builtin_prefetch(reinterpret_cast<const void*>(l), 0, 3);
+}
+
+#ifndef TRTSPEC_AVXVNNI
+// Step s's maddubs pair sums of one row into its int16 partial sum, widened into the int32 sums every kInt16Steps
+// steps; an 8-bit code's pairs (up to 2 * 127 * 127) go straight to the int32 sums, with no partial sum. Each sum stays
+// in its register step by step: left free, GCC computes a whole group's products first and spills them (integer adds
+// reassociate), several loads and stores a row and step.
+template <int BITS>
+inline void add_products(int s, __m256i pairs, __m256i ones, __m256i& part, __m256i& dot) {
+  if constexpr (kInt16Steps<BITS> == 1) {
+    dot = _mm256_add_epi32(dot, _mm256_madd_epi16(pairs, ones));
+    __asm__("" : "+x"(dot));
+  } else {
+    part = _mm256_add_epi16(part, pairs);
+    __asm__("" : "+x"(part));
+    if ((s + 1) % kInt16Steps<BITS> == 0) {
+      dot = _mm256_add_epi32(dot, _mm256_madd_epi16(part, ones));
+      part = _mm256_setzero_si256();
+    }
+  }
+}
+#endif
+
 template <typename F, int R>
 void int8_rows(const Weights& w, const uint8_t* panel, const Int8Rows& x, int64_t r0, float* y, int64_t ldy,
                int64_t col0) {
@@ -85,7 +120,7 @@ void int8_rows(const Weights& w, const uint8_t* panel, const Int8Rows& x, int64_
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
       const uint8_t* group = panel + g * F::group_bytes;
-      prefetch_form<F>(group);
+      prefetch_next_panel<F>(panel, groups, h, g);
       const int32_t* a0 = xq + g * m * S;  // step s, row r: a0[r * S + s]
       __m256i dot[R], part[R];
       for (int r = 0; r < R; ++r) dot[r] = part[r] = _mm256_setzero_si256();
@@ -111,14 +146,7 @@ void int8_rows(const Weights& w, const uint8_t* panel, const Int8Rows& x, int64_
         for (int r = 0; r < R; ++r) {
           __m256i a = _mm256_set1_epi32(a0[r * S + s]);
           if constexpr (BITS == 8) a = _mm256_sign_epi8(a, q);
-          part[r] = _mm256_add_epi16(part[r], _mm256_maddubs_epi16(uq, a));
-          // each sum in its register, step by step: left free, GCC computes a whole group's products first and
-          // spills them (integer adds reassociate), several loads and stores a row and step
-          __asm__("" : "+x"(part[r]));
-          if ((s + 1) % kInt16Steps<BITS> == 0) {
-            dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(part[r], ones));
-            part[r] = _mm256_setzero_si256();
-          }
+          add_products<BITS>(s, _mm256_maddubs_epi16(uq, a), ones, part[r], dot[r]);
         }
 #endif
       }
@@ -160,12 +188,7 @@ void int8_rows_both(const Weights& w, const uint8_t* panel, const Int8Rows& x, i
         for (int h = 0; h < 2; ++h) {
           const __m256i uq = BITS == 8 ? _mm256_abs_epi8(q[h]) : q[h];
           const __m256i signed_a = BITS == 8 ? _mm256_sign_epi8(a, q[h]) : a;
-          part[h][r] = _mm256_add_epi16(part[h][r], _mm256_maddubs_epi16(uq, signed_a));
-          __asm__("" : "+x"(part[h][r]));  // as in int8_rows
-          if ((s + 1) % kInt16Steps<BITS> == 0) {
-            dot[h][r] = _mm256_add_epi32(dot[h][r], _mm256_madd_epi16(part[h][r], ones));
-            part[h][r] = _mm256_setzero_si256();
-          }
+          add_products<BITS>(s, _mm256_maddubs_epi16(uq, signed_a), ones, part[h][r], dot[h][r]);
         }
       }
     }
@@ -201,7 +224,8 @@ void float_rows(const Weights& w, const uint8_t* panel, const FloatRows& x, int6
       for (int j = 0; j < H; ++j) acc[r][j] = _mm256_setzero_ps();
     for (int64_t g = 0; g < w.groups; ++g) {
       const uint8_t* group = panel + g * F::group_bytes;
-      prefetch_form<F>(group);
+      if constexpr (H == 1) prefetch_next_panel<F>(panel, w.groups, h0, g);  // two passes, as int8_rows
+      else prefetch_form<F>(group);
       const float* xg = x.xt + g * G * m + r0;  // k = g * G + i, row r: xg[i * m + r]
       __m256 d[R][H][4];
       for (int r = 0; r < R; ++r)
