@@ -135,6 +135,6 @@ def use_gguf_kernels(hf: nn.Module, gguf_path: Path, spec, int8_activations: boo
              f"; {len(left)} left in float" if left else "", "int8" if int8_activations else "float", path)
     if done and not int8_activations:
         log.info("float activations keep the output closest to float32; --int8-activations builds the faster engine "
-                 "(1.3-1.6x the plain decode on the development Xeon's paths, and on a CPU without AVX-512 about 0.6x "
+                 "(1.3-1.6x the plain decode on the development Xeon's paths, and on a CPU without AVX-512 about half "
                  "the time for a speculative verify call: docs/kernels.md, 'Int8 or float activations')")
     return {"kernels": done, "float": left}
