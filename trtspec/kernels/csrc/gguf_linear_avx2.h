@@ -75,7 +75,7 @@ inline void add_group_half(const uint8_t* group, int h, const __m256i (&dot)[R],
 // The next panel's lines, half a group's bytes at each of the 2 * groups steps (pass h, group g) of a panel's two
 // passes: a steady stream from memory under all of the arithmetic. Asked for kPrefetchBytes past the group being
 // read, as the other kernels do, every request fell in the first pass (the second reads the panel again from L1), so
-// a call of 3 to 5 rows waited on memory in the first pass and left it idle in the second.
+// a call of 3 to 6 rows waited on memory in the first pass and left it idle in the second.
 template <typename F>
 inline void prefetch_next_panel(const uint8_t* panel, int64_t groups, int h, int64_t g) {
   constexpr int64_t kStep = F::group_bytes / 2;
