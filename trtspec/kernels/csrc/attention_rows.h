@@ -209,25 +209,23 @@ void attention_rows_of(const AttentionArgs& a, int64_t r0, int64_t r1, float* __
       __m256 tops[2] = {minus_inf, minus_inf};
       for (; s + kLanes <= end; s += kLanes) {
         __m256 visible[2];  // all ones where the key is visible
+        bool any;
         if (a.ms == 1) {
           const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(m + s));
-          if (_mm_testz_si128(bytes, bytes)) {
-            _mm256_storeu_ps(e + s, minus_inf);
-            _mm256_storeu_ps(e + s + 8, minus_inf);
-            continue;
-          }
+          any = !_mm_testz_si128(bytes, bytes);
           visible[0] = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_cvtepu8_epi32(bytes), _mm256_setzero_si256()));
           visible[1] = _mm256_castsi256_ps(
               _mm256_cmpgt_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)), _mm256_setzero_si256()));
         } else {
           i16x flags;
           for (int j = 0; j < kLanes; ++j) flags[j] = m[(s + j) * a.ms] ? -1 : 0;
-          if (!lanes_any(flags)) {
-            _mm256_storeu_ps(e + s, minus_inf);
-            _mm256_storeu_ps(e + s + 8, minus_inf);
-            continue;
-          }
+          any = lanes_any(flags);
           to_halves(flags, visible);
+        }
+        if (!any) {  // no visible key in the block: its scores are -inf, its keys never read
+          _mm256_storeu_ps(e + s, minus_inf);
+          _mm256_storeu_ps(e + s + 8, minus_inf);
+          continue;
         }
         const float* keys = kbase + s * a.D;
         __m256 scores[2];
