@@ -255,6 +255,33 @@ def test_attention_equals_float64_softmax_and_each_row_its_own_bits_on_every_pat
             assert torch.equal(alone, expected[:, :, t:t + 1]), (kernel_path, t)
 
 
+@pytest.mark.parametrize("d", [64, 80])
+def test_attention_tiles_of_rows_with_different_spans_give_each_row_its_own_bits(d, path):
+    """Rows sharing a key head go through tiles (a block of keys and values read once for the tile's rows): rows
+    whose windows start and end in different 16-key blocks, one of a single key, one that sees nothing, each get
+    the bits they get alone, on every path."""
+    g = torch.Generator().manual_seed(7)
+    lo = torch.tensor([0, 5, 40, 17, 100, 390, 0, 64, 63, 200, 3])
+    hi = torch.tensor([399, 30, 41, 250, 100, 400, 1, 129, 300, 390, 398])
+    T, keys = len(lo), torch.arange(400)
+    q = torch.randn(1, 8, T, d, generator=g)  # 8 heads over 2 key heads: runs of 44 rows
+    k, v = torch.randn(1, 2, 400, d, generator=g), torch.randn(1, 2, 400, d, generator=g)
+    mask = ((keys >= lo[:, None]) & (keys < hi[:, None]))[None, None]
+    kernels.use_path("reference")
+    expected = kernels.attention(q, k, v, mask, 0.125)
+    np.testing.assert_allclose(expected.double(), _reference_attention(q, k, v, mask, 0.125), rtol=1e-5, atol=2e-6)
+    assert torch.isnan(expected[:, :, 4]).all() and not torch.isnan(expected[:, :, [3, 5]]).any()
+    bits = lambda x: x.contiguous().view(torch.int32)  # noqa: E731 (NaN's bits too)
+    for kernel_path in PATHS:
+        kernels.use_path(kernel_path)
+        assert torch.equal(bits(kernels.attention(q, k, v, mask, 0.125)), bits(expected)), kernel_path
+        for t in range(T):
+            alone = kernels.attention(q[:, :, t:t + 1], k, v, mask[:, :, t:t + 1], 0.125)
+            assert torch.equal(bits(alone), bits(expected[:, :, t:t + 1])), (kernel_path, t)
+        one_head = kernels.attention(q[:, 5:6], k[:, 1:], v[:, 1:], mask, 0.125)
+        assert torch.equal(bits(one_head), bits(expected[:, 5:6])), kernel_path
+
+
 def test_attention_long_context_threads_and_a_row_that_sees_nothing():
     q, k, v, mask = _attention_case(64, t=3, s=1500)
     with torch.no_grad():

@@ -168,7 +168,12 @@ void int8_avx512(const Weights&, const Int8Rows&, float*, int64_t, int64_t, int6
 void float_avx512(const Weights&, const FloatRows&, float*, int64_t, int64_t, int64_t);
 void int8_avx512vnni(const Weights&, const Int8Rows&, float*, int64_t, int64_t, int64_t);
 void int8_avxvnni(const Weights&, const Int8Rows&, float*, int64_t, int64_t, int64_t);
-// rows [r0, r1) of the B * H * T; scratch: S rounded up to 16, plus D floats
+// rows [r0, r1) of the B * H * T, tiles of up to kAttentionTileRows rows sharing a key head (attention_rows.h);
+// scratch: attention_scratch_floats(S, D) floats
+constexpr int64_t kAttentionTileRows = 8;
+inline int64_t attention_scratch_floats(int64_t S, int64_t D) {
+  return kAttentionTileRows * ((S + 15) / 16 * 16 + 4 * D) + D;  // a row's scores and value sums; any D's sum
+}
 using AttentionKernel = void (*)(const AttentionArgs&, int64_t r0, int64_t r1, float* scratch);
 void attention_reference(const AttentionArgs&, int64_t, int64_t, float*);
 void attention_avx2(const AttentionArgs&, int64_t, int64_t, float*);

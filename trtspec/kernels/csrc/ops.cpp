@@ -220,8 +220,12 @@ at::Tensor attention_rows_as(const at::Tensor& q, const at::Tensor& k, const at:
                   static_cast<float>(softcap), tokens_major};
   const Path* path = g_path;
   parallel_chunks(B * H * T, [&](int64_t r0, int64_t r1) {
-    std::vector<float> scratch((S + 15) / 16 * 16 + D);
-    path->attention(a, r0, r1, scratch.data());
+    thread_local std::vector<float> scratch;  // kept between calls: no allocation (nor page faults) per call
+    scratch.resize(std::max<size_t>(scratch.size(), attention_scratch_floats(S, D) + 16));
+    // 64-byte aligned: a row's value sums are stored and loaded back a block of keys at a time, and vectors split
+    // across cache lines made that cost more than the blocks saved (AVX-512, one row)
+    const uintptr_t at = (reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63};
+    path->attention(a, r0, r1, reinterpret_cast<float*>(at));
   });
   return out;
 }
