@@ -1,10 +1,12 @@
 """The runtime's time per token around the engine calls, this tree against a baseline revision, in the same rounds.
 
     python benchmarks/bench_runtime_token.py [--engine engines/smollm2-torch-int8x] [--baseline REV] [--rounds 3]
+        [--configs NAME ...]
 
 Each round runs each source (this tree; --baseline REV checked out into a temporary git worktree) in a fresh process
-on the same engine, 2 threads: Generator over 4 held-out prompts x --new tokens per configuration (greedy and sampled,
-target alone and with suffix decoding, and the head the engine carries). Per token: the whole time, the target's
+on the same engine, 2 threads: Generator over 4 held-out prompts x --new tokens per configuration (greedy and sampled
+at temperature 0.8, with and without top-p 0.9, target alone and with suffix decoding, and the head the engine
+carries; --configs: some of them). Per token: the whole time, the target's
 calls (verify_s), the drafting (draft_s) and the rest ("other": picks, acceptance, the stop rule, streaming, the
 scheduler). Medians over rounds; ratios are this tree's over the baseline's in the same run. Writes
 benchmarks/results/<--out>.{json,md} with the CPU model and ISA.
@@ -30,6 +32,8 @@ CONFIGS = {  # name -> (Generator options, request options)
     "sampled, target alone": ({"drafter": "none"}, {"temperature": 0.8, "seed": 1}),
     "greedy, suffix": ({"drafter": "suffix"}, {}),
     "sampled, suffix": ({"drafter": "suffix"}, {"temperature": 0.8, "seed": 1}),
+    "sampled top-p 0.9, target alone": ({"drafter": "none"}, {"temperature": 0.8, "top_p": 0.9, "seed": 1}),
+    "sampled top-p 0.9, suffix": ({"drafter": "suffix"}, {"temperature": 0.8, "top_p": 0.9, "seed": 1}),
     "greedy, auto (the carried head)": ({"drafter": "auto"}, {}),
 }
 CHILD = r"""
@@ -58,9 +62,9 @@ print(json.dumps(out))
 """
 
 
-def _run(src: Path, engine: Path, new: int) -> dict:
+def _run(src: Path, engine: Path, new: int, configs: dict) -> dict:
     env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "2"}
-    done = subprocess.run([sys.executable, "-c", CHILD, str(engine.resolve()), str(new), json.dumps(CONFIGS),
+    done = subprocess.run([sys.executable, "-c", CHILD, str(engine.resolve()), str(new), json.dumps(configs),
                            str(ROOT / "models" / "heldout.json")], env=env, capture_output=True, text=True, cwd=src)
     if done.returncode:
         raise RuntimeError(f"{src} failed:\n{done.stderr[-3000:]}")
@@ -74,7 +78,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--out", default="runtime-token")
+    ap.add_argument("--configs", nargs="+", metavar="NAME", help=f"only these of {list(CONFIGS)}")
     args = ap.parse_args()
+    unknown = set(args.configs or ()) - set(CONFIGS)
+    if unknown:
+        ap.error(f"unknown --configs {sorted(unknown)}; choose from {list(CONFIGS)}")
+    configs = {name: CONFIGS[name] for name in args.configs or CONFIGS}
     runs: dict[tuple, list] = {}
     with tempfile.TemporaryDirectory() as tmp:
         sources = {"this tree": ROOT}
@@ -86,7 +95,7 @@ def main() -> None:
         try:
             for r in range(args.rounds):
                 for label, src in sources.items():
-                    for name, row in _run(src, args.engine, args.new).items():
+                    for name, row in _run(src, args.engine, args.new, configs).items():
                         runs.setdefault((label, name), []).append(row)
                         print(f"round {r + 1}, {label}, {name}: {row['ms_per_token']:.3f} ms a token "
                               f"(other {row['other_ms']:.3f})", flush=True)

@@ -217,6 +217,16 @@ def test_greedy_steps_equal_a_loop_of_forward_calls_and_stop_when_told(built, mo
     model = hf_model(model_dir("llama-gqa-rope3"))
     want = model.generate(torch.tensor(prompt[None]), max_new_tokens=12, do_sample=False)[0, 9:].tolist()
     assert got["fast"] == want
+    # a coupled sampler's pick in place of the argmax: the engine's own loop and forward's give the same tokens
+    from trtspec.runtime.picks import coupled_pick
+
+    picked = {}
+    for name, e in (("fast", fast), ("slow", Plain(slow))):
+        tokens = []
+        greedy_steps(e, 2, int(prompt[8]), 8, 12, lambda t: tokens.append(t) or True,
+                     pick=lambda x, i: coupled_pick(x, 2.0, 11, 9 + i))
+        picked[name] = tokens
+    assert picked["fast"] == picked["slow"] != got["fast"]
     # on_token returning False ends the run after that token
     seen = []
     calls, _ = greedy_steps(fast, 0, 5, 0, 10, lambda t: seen.append(t) or len(seen) < 3)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from trtspec.engines.base import tree_positions
-from trtspec.runtime.picks import dropped, gumbel_noise, gumbel_noise_host, noise_start, target_picks
+from trtspec.runtime.picks import (coupled_pick, dropped, gumbel_noise, gumbel_noise_at, gumbel_noise_host,
+                                   noise_start, target_picks)
 from trtspec.runtime.sampling import SamplingParams
 from trtspec.runtime.verify import RowSampler, verify_rows
 
@@ -45,6 +46,52 @@ def test_noise_is_splitmix64_bit_for_bit_and_standard_gumbel():
         assert abs(np.corrcoef(got, other.numpy())[0, 1]) < 0.02
     # a seed beyond int64 and position 0 work alike
     assert np.isfinite(gumbel_noise((1 << 64) - 1, 0, 8).numpy()).all()
+
+
+def _full_pick(x: np.ndarray, temperature: float, key: int, position: int) -> int:
+    """The Gumbel-max pick over every token: numpy's first maximum of x / T + G."""
+    return int((x.astype(np.float64) / temperature + gumbel_noise_host(key, position, x.size)).argmax())
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["candidates", "numpy"])
+def test_coupled_pick_is_the_full_gumbel_max_pick(native, monkeypatch):
+    """coupled_pick, with the compiled kernels' candidates and without, picks the first maximum of x / T + G over
+    all tokens: vocabularies of 1 to 49,152 (not all multiples of the kernel's 64-id blocks), logits spread from 1e-3
+    to 300 with ties, -inf (masked), a NaN or +inf (the full pick's own result), temperatures 1e-3 to 50; the noise of
+    chosen ids alone is the whole noise's, bit for bit. The candidates are few (the pruning works) and always hold
+    the pick."""
+    from trtspec import kernels
+    from trtspec.runtime import picks
+
+    if native and kernels.load() != "native":
+        pytest.skip("the compiled kernels could not be built here")
+    monkeypatch.setattr(picks, "_native_candidates", lambda: native)
+    rng = np.random.default_rng(17)
+    sizes = []
+    for trial in range(400):
+        v = int(rng.choice([1, 3, 64, 100, 1000, 49152]))
+        x = (rng.standard_normal(v) * rng.choice([1e-3, 1.0, 4.0, 30.0, 300.0])).astype(np.float32)
+        if trial % 3 == 0:
+            x = np.round(x)
+        if trial % 5 == 1:
+            x[rng.random(v) < 0.5] = -np.inf
+        if trial % 37 == 2:
+            x[rng.integers(v)] = rng.choice([np.nan, np.inf])
+        if trial % 41 == 3:
+            x[:] = -np.inf
+        t = float(rng.choice([1e-3, 0.3, 0.8, 1.0, 2.0, 50.0]))
+        key, position = int(rng.integers(0, 1 << 62)) * 4 + 3, int(rng.integers(0, 8192))
+        want = _full_pick(x, t, key, position)
+        assert coupled_pick(x, t, key, position) == want, (trial, v, t)
+        if native:
+            ids = torch.ops.trtspec.gumbel_candidates(torch.from_numpy(x), t, picks._i64(noise_start(key, position)))
+            finite = np.isfinite(x).any() and not (np.isnan(x).any() or np.isposinf(x).any())
+            assert (want in ids.tolist()) == finite and (ids == ids.sort().values).all()
+            sizes.append(ids.numel())
+    if native:
+        assert max(sizes) <= 4 and np.mean(sizes) < 1.5, sizes
+    ids = rng.choice(49152, 500, replace=False)
+    np.testing.assert_array_equal(gumbel_noise_at(5, 9, ids), gumbel_noise_host(5, 9, 49152)[ids])
 
 
 PARAMS = [SamplingParams(temperature=1.3), SamplingParams(temperature=0.7, top_k=5),

@@ -36,6 +36,35 @@ def test_probs_equal_hf_generates_warpers(temperature, top_k, top_p):
         assert ((ours > 0).sum(-1) <= top_k).all()
 
 
+def _nucleus_by_full_sort(p: np.ndarray, top_p: float) -> np.ndarray:
+    """top-p's definition over the whole vocabulary: sort it (descending, ties by id), drop a token where the mass
+    before it, cumsum - p, reaches top_p."""
+    order = np.argsort(-p, axis=-1, kind="stable")
+    sorted_p = np.take_along_axis(p, order, axis=-1)
+    drop = np.zeros_like(sorted_p, dtype=bool)
+    np.put_along_axis(drop, order, (np.cumsum(sorted_p, axis=-1) - sorted_p) >= top_p, axis=-1)
+    p = np.where(drop, 0.0, p)
+    return p / p.sum(axis=-1, keepdims=True)
+
+
+def test_top_p_sorts_only_the_head_of_the_distribution_and_keeps_every_bit():
+    """probs' top-p (which sorts only the tokens above a threshold holding the mass) gives the full sort's
+    distribution to the bit: vocabularies to 49,152, one row or several, flat and peaked rows, ties, top_p near 0
+    and near 1, with top-k before it."""
+    rng = np.random.default_rng(8)
+    for trial in range(300):
+        v = int(rng.choice([2, 64, 1000, 49152]))
+        shape = (v,) if trial % 4 else (3, v)
+        logits = (rng.standard_normal(shape) * rng.choice([0.01, 0.5, 3.0, 10.0, 40.0])).astype(np.float32)
+        if trial % 3 == 0:
+            logits = np.round(logits)
+        top_p = float(rng.choice([1e-3, 0.3, 0.8, 0.9, 0.95, 0.999, 0.99999]))
+        top_k = int(rng.integers(1, 100)) if trial % 5 == 0 else None
+        params = SamplingParams(temperature=float(rng.choice([0.3, 0.8, 1.7])), top_k=top_k, top_p=top_p)
+        plain = SamplingParams(temperature=params.temperature, top_k=top_k).probs(logits)
+        np.testing.assert_array_equal(params.probs(logits), _nucleus_by_full_sort(plain, top_p))
+
+
 @pytest.mark.parametrize("options, message", [
     ({"temperature": -0.1}, "temperature must be a finite number >= 0"),
     ({"temperature": float("nan")}, "temperature must be a finite number >= 0"),

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import WrappedEngine, make_prompt
 from trtspec import Generator, Scheduler
-from trtspec.engines.base import lease
+from trtspec.engines.base import greedy_steps, lease
 
 
 def _workload():
@@ -87,6 +87,28 @@ def test_a_lone_greedy_row_decodes_in_the_engines_loop_and_yields_to_arrivals_an
     assert solo.stats.target_calls == len(solo.token_ids) == 60  # one prefill call, then one call per token
     assert scheduler.stats().k_histogram == {0: 59}
     _yields_to_an_arrival_and_a_cancel(scheduler, Scheduler(WrappedEngine(target, slow_call)), alone)
+
+
+def test_a_lone_sampled_row_decodes_in_the_engines_loop_with_its_own_picks(target, monkeypatch):
+    # one coupled row (temperature, top-p; no logits processing) and no drafter: the engine's loop picks each token
+    # with the row's sampler, the same tokens and counters as a step a token (lone_row_loops off)
+    from trtspec.runtime import worker
+
+    loops_run = []
+    monkeypatch.setattr(worker, "greedy_steps", lambda *a: loops_run.append(a[-1]) or greedy_steps(*a))
+    prompt = make_prompt(5, 8)
+    for params in ({"temperature": 0.9, "seed": 3}, {"temperature": 1.2, "top_p": 0.8, "seed": 4}):
+        results, stats = [], []
+        for loops in (True, False):
+            gen = Generator(target)
+            gen.scheduler.lone_row_loops = loops
+            results.append(gen.generate(prompt, max_new_tokens=50, **params))
+            stats.append(gen.scheduler.stats())
+        assert results[0].token_ids == results[1].token_ids and results[0].finish_reason == results[1].finish_reason
+        for name in ("rounds", "target_calls", "k_histogram"):
+            assert getattr(stats[0], name) == getattr(stats[1], name), name
+        assert results[0].token_ids != Generator(target).generate(prompt, max_new_tokens=50).token_ids  # (sampled)
+    assert [pick is not None for pick in loops_run] == [True, False] * 2  # (each greedy run: the argmax)
 
 
 def slow_call(ids, pos, row):

@@ -22,6 +22,7 @@ import trtspec
 from conftest import MAX_BATCH, S_MAX, hf_logits, random_ids
 from trtspec import ArtifactError, Generator, load_engine
 from trtspec.engines.base import tree_positions
+from trtspec.runtime.picks import coupled_pick
 from trtspec.engines.torch_aot import TorchAOTEngine
 from trtspec.testing import make_tiny_gguf
 
@@ -249,9 +250,11 @@ def test_float_engine_equals_hf_on_other_families(arch, exported, model_dir, hf_
         got = engine.forward(ids[None, start:end], np.arange(start, end)[None])
         np.testing.assert_allclose(got[0], want[start:end], atol=TOL, rtol=0)
     loops = []
-    for loop in (engine.greedy_steps, lambda *a: forward_greedy_steps(engine, *a)):
-        engine.reset()
-        tokens = []
-        assert loop(0, int(ids[0]), 0, 40, lambda t: tokens.append(t) or len(tokens) < 30)[0] == 30
-        loops.append(tokens)
-    assert loops[0] == loops[1]
+    pick = lambda x, i: coupled_pick(x, 2.0, 5, 1 + i)  # noqa: E731 - a coupled sampler's, in place of the argmax
+    for loop in (engine.greedy_steps, lambda *a, **o: forward_greedy_steps(engine, *a, **o)):
+        for options in ({}, {"pick": pick}):
+            engine.reset()
+            tokens = []
+            assert loop(0, int(ids[0]), 0, 40, lambda t: tokens.append(t) or len(tokens) < 30, **options)[0] == 30
+            loops.append(tokens)
+    assert loops[0] == loops[2] != loops[1] == loops[3]

@@ -76,21 +76,27 @@ def test_ragged_batch_logits_match_hf(arch, backend, torch_engine, model_dir, hf
 def test_greedy_steps_on_the_device_equal_the_forward_loop_and_stop_where_told(backend, torch_engine):
     from trtspec.engines.base import forward_greedy_steps
     from trtspec.engines.base import GREEDY_CHUNK
+    from trtspec.runtime.picks import coupled_pick
 
     engine = torch_engine("llama", backend)
     prompt = random_ids(6, seed=5)
     steps = GREEDY_CHUNK + 4  # two chunks
 
-    def run(loop, stop_after=None):
+    def run(loop, stop_after=None, **options):
         engine.reset()
         engine.forward(prompt[None, :5], np.arange(5)[None])
         got = []
-        calls, _ = loop(engine, 0, int(prompt[5]), 5, steps, lambda t: got.append(t) or len(got) != stop_after)
+        calls, _ = loop(engine, 0, int(prompt[5]), 5, steps, lambda t: got.append(t) or len(got) != stop_after,
+                        **options)
         return calls, got
 
     calls, reference = run(forward_greedy_steps)
     assert (calls, len(reference)) == (steps, steps)
     assert run(type(engine).greedy_steps) == (steps, reference)
+    # a coupled sampler's pick in place of the argmax: each token read on the host, as forward's loop does
+    pick = {"pick": lambda x, i: coupled_pick(x, 2.0, 3, 6 + i)}
+    sampled = run(forward_greedy_steps, **pick)
+    assert run(type(engine).greedy_steps, **pick) == sampled and sampled[1] != reference
     stop = GREEDY_CHUNK + 2  # inside the second chunk: the rest of it ran on the device, past the stop
     calls, got = run(type(engine).greedy_steps, stop_after=stop)
     assert (calls, got) == (stop, reference[:stop])

@@ -315,18 +315,19 @@ def check_step_inputs(input_ids, position_ids, *, max_batch: int, max_seq_len: i
     return input_ids, position_ids
 
 
-def greedy_steps(engine, row: int, token: int, position: int, steps: int, on_token) -> tuple[int, float]:
+def greedy_steps(engine, row: int, token: int, position: int, steps: int, on_token, pick=None) -> tuple[int, float]:
     """Greedy decoding of one cache row, one token per call, for up to ``steps`` calls.
 
-    Call i feeds ``token`` at ``position + i`` and takes the argmax of its logits as the next token, handing it
-    to ``on_token(token)``; decoding stops early when that returns False. Returns (calls made, seconds spent
-    inside the engine's calls). Engines with a faster loop of their own provide ``greedy_steps`` (onnxruntime:
-    buffers bound once, no per-call checks); this generic loop over ``forward`` gives the same tokens.
+    Call i feeds ``token`` at ``position + i`` and takes the argmax of its logits as the next token, or ``pick(x,
+    i)`` of its logits x (float32 [V] on the host: a coupled sampler's pick), handing it to ``on_token(token)``;
+    decoding stops early when that returns False. Returns (calls made, seconds spent inside the engine's calls).
+    Engines with a faster loop of their own provide ``greedy_steps`` (onnxruntime: buffers bound once, no per-call
+    checks); this generic loop over ``forward`` gives the same tokens.
     """
     # the class's own method only: a wrapper that forwards attributes but overrides forward sees every call
     if getattr(type(engine), "greedy_steps", None) is not None:
-        return engine.greedy_steps(row, token, position, steps, on_token)
-    return forward_greedy_steps(engine, row, token, position, steps, on_token)
+        return engine.greedy_steps(row, token, position, steps, on_token, **({"pick": pick} if pick else {}))
+    return forward_greedy_steps(engine, row, token, position, steps, on_token, pick)
 
 
 def check_greedy_steps(engine, row: int, token: int, position: int, steps: int) -> None:
@@ -341,22 +342,27 @@ def check_greedy_steps(engine, row: int, token: int, position: int, steps: int) 
 GREEDY_CHUNK = 8
 
 
-def device_greedy_steps(call, token: int, steps: int, on_token, device, *, host_argmax: bool = False
+def device_greedy_steps(call, token: int, steps: int, on_token, device, *, host_argmax: bool = False, pick=None
                         ) -> tuple[int, float]:
     """greedy_steps' loop over a torch engine's own call: ``call(i, tok)`` runs call i fed ``tok`` (a [1, 1] tensor on
     ``device``) and returns its logits [1, T, V]. Each call's argmax feeds the next one on the device and the host
     reads the ids once per GREEDY_CHUNK calls; calls past a refused token (at most a chunk's) wrote slots the mask
     hides and later writes overwrite. ``host_argmax`` (a CPU engine): each token read with numpy's argmax instead
-    (4 us over a 49,152-token row against torch's 45). Returns (the calls whose tokens were taken, seconds)."""
+    (4 us over a 49,152-token row against torch's 45); ``pick`` (greedy_steps'): each token read by it on the host.
+    Returns (the calls whose tokens were taken, seconds)."""
     import torch
 
     t0, done = time.perf_counter(), 0
-    if host_argmax:
+    if host_argmax or pick is not None:
+        seconds = 0.0  # (the calls and their logits' reads: a pick's own time is the caller's, as in forward's loop)
         for i in range(steps):
-            token = int(call(i, torch.tensor([[token]]))[0, -1].float().numpy().argmax())
+            t1 = time.perf_counter()
+            x = call(i, torch.tensor([[token]], device=device))[0, -1].float().cpu().numpy()
+            seconds += time.perf_counter() - t1
+            token = int(x.argmax()) if pick is None else pick(x, i)
             if not on_token(token):
-                return i + 1, time.perf_counter() - t0
-        return steps, time.perf_counter() - t0
+                return i + 1, seconds
+        return steps, seconds
     tok = torch.tensor([[token]], device=device)
     while done < steps:
         picked = []
@@ -370,14 +376,15 @@ def device_greedy_steps(call, token: int, steps: int, on_token, device, *, host_
     return steps, time.perf_counter() - t0
 
 
-def forward_greedy_steps(engine, row: int, token: int, position: int, steps: int, on_token) -> tuple[int, float]:
+def forward_greedy_steps(engine, row: int, token: int, position: int, steps: int, on_token, pick=None
+                         ) -> tuple[int, float]:
     """greedy_steps as a loop over ``engine.forward``: what an engine's own loop must equal."""
     seconds = 0.0
     for i in range(steps):
         t0 = time.perf_counter()
         logits = engine.forward(np.array([[token]]), np.array([[position + i]]), first_row=row)
         seconds += time.perf_counter() - t0
-        token = int(logits[0, 0].argmax())
+        token = int(logits[0, 0].argmax()) if pick is None else pick(logits[0, 0], i)
         if not on_token(token):
             return i + 1, seconds
     return steps, seconds

@@ -224,9 +224,11 @@ class OnnxRuntimeEngine(CacheRows):
         position_ids = np.concatenate([position_ids, position_ids[:, -1:] + np.arange(1, pad + 1)], 1)
         return input_ids, position_ids
 
-    def greedy_steps(self, row: int, token: int, position: int, steps: int, on_token) -> tuple[int, float]:
+    def greedy_steps(self, row: int, token: int, position: int, steps: int, on_token, pick=None
+                     ) -> tuple[int, float]:
         """engines.base.greedy_steps for this engine: one row, one token per call, in a loop that only writes
-        the token and its position into the bound inputs, runs, and takes the argmax (checked once, up front)."""
+        the token and its position into the bound inputs, runs, and takes the argmax or ``pick``'s token (checked
+        once, up front)."""
         if steps < 1:
             return 0, 0.0
         check_greedy_steps(self, row, token, position, steps)
@@ -250,7 +252,7 @@ class OnnxRuntimeEngine(CacheRows):
                     t0 = clock()
                     run(binding)
                     seconds += clock() - t0
-                    token = int(logits.argmax())
+                    token = int(logits.argmax()) if pick is None else pick(logits, i)
                     if not on_token(token):
                         return i + 1, seconds
             finally:

@@ -192,14 +192,15 @@ class TorchAOTEngine(TorchCacheRows):
                 self.features = out[1].float().cpu().numpy()
             return logits if as_tensor else logits.float().cpu().numpy()
 
-    def greedy_steps(self, row: int, token: int, position: int, steps: int, on_token) -> tuple[int, float]:
+    def greedy_steps(self, row: int, token: int, position: int, steps: int, on_token, pick=None
+                     ) -> tuple[int, float]:
         """engines.base.greedy_steps calling the package directly (no per-call checks or numpy inputs), the tokens
         kept on the device off the CPU (engines.base.device_greedy_steps). Row 0 of an engine without rings,
         features, extra inputs or a tree input; else forward's loop."""
         import torch
 
         if row or self._rings is not None or self.features_size or self.extra_inputs or self.tree_verify or steps < 1:
-            return forward_greedy_steps(self, row, token, position, steps, on_token)
+            return forward_greedy_steps(self, row, token, position, steps, on_token, pick)
         check_greedy_steps(self, row, token, position, steps)
         dev = self.device
         positions = torch.arange(position, position + steps, device=dev).view(-1, 1, 1)
@@ -212,7 +213,7 @@ class TorchAOTEngine(TorchCacheRows):
             return self._runner(tok, positions[i], *live, *rows)
 
         with self._guard, torch.no_grad():
-            return device_greedy_steps(call, token, steps, on_token, dev, host_argmax=dev.type == "cpu")
+            return device_greedy_steps(call, token, steps, on_token, dev, host_argmax=dev.type == "cpu", pick=pick)
 
     # the cache-row operations: engines/base.TorchCacheRows over this engine's buffers
     def _cache_buffers(self):

@@ -28,7 +28,8 @@ from .blocks import TYPES, Blocks, decode, dequantize
 from .layout import Packed, pack, unpack
 
 __all__ = ["TYPES", "Blocks", "Packed", "decode", "dequantize", "pack", "unpack", "load", "linear", "attention",
-           "attention_rows_live", "attention_rows_tokens", "rms_norm", "rope_qkv", "silu_mul", "status", "paths", "use_path", "c_shims"]
+           "attention_rows_live", "attention_rows_tokens", "rms_norm", "rope_qkv", "silu_mul", "loaded", "status",
+           "paths", "use_path", "c_shims"]
 
 _status: dict = {}
 
@@ -182,6 +183,11 @@ def release_openmp_workers() -> None:
         ctypes.CDLL("libgomp.so.1").omp_pause_resource_all(1)  # omp_pause_soft
     except (OSError, AttributeError):  # another OpenMP runtime, or none: nothing to release
         pass
+
+
+def loaded() -> str | None:
+    """What ``load`` made available ("native" or "torch"), or None before it ran: never compiles anything."""
+    return _status.get("backend")
 
 
 def status() -> dict:

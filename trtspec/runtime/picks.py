@@ -60,6 +60,16 @@ def gumbel_noise_host(key: int, position: int, size: int) -> np.ndarray:
     counters = _COUNTERS.get(size)
     if counters is None:
         counters = _COUNTERS[size] = np.arange(1, size + 1, dtype=np.uint64)
+    return _gumbel(counters, key, position)
+
+
+def gumbel_noise_at(key: int, position: int, ids: np.ndarray) -> np.ndarray:
+    """``gumbel_noise_host(key, position, V)[ids]`` without the other tokens' noise: the same bits."""
+    return _gumbel(np.asarray(ids, dtype=np.uint64) + np.uint64(1), key, position)
+
+
+def _gumbel(counters: np.ndarray, key: int, position: int) -> np.ndarray:
+    # SplitMix64's outputs number ``counters`` from noise_start(key, position) -> standard Gumbel draws, float64
     with np.errstate(over="ignore"):
         z = counters * np.uint64(_GOLDEN)
         z += np.uint64(noise_start(key, position))
@@ -76,6 +86,37 @@ def gumbel_noise_host(key: int, position: int, size: int) -> np.ndarray:
     np.negative(u, out=u)
     np.log(u, out=u)
     return np.negative(u, out=u)
+
+
+def coupled_pick(x: np.ndarray, temperature: float, key: int, position: int, support: np.ndarray | None = None,
+                 noise=None) -> int:
+    """Coupled sampling's Gumbel-max pick, the first maximum of x / T + G (G: ``gumbel_noise_host(key, position,
+    V)``), over ``support`` (ids, ascending) if given: x [V] float32 processed logits. ``noise``: a function giving G
+    over all of V (a cache), else it is made here.
+
+    Only a few ids can hold the maximum. With the compiled kernels loaded (an engine on them loaded them),
+    torch.ops.trtspec.gumbel_candidates finds them, most ids without a logarithm, and they are scored here with the
+    full pick's own numpy steps (one candidate, the usual case, is the pick): the same pick, 80 us against 271 for
+    49,152 tokens (benchmarks/bench_picks.py). A support (top-k, top-p) is scored alone."""
+    if support is None and x.dtype == np.float32 and x.flags.writeable and _native_candidates():
+        ids = torch.ops.trtspec.gumbel_candidates(torch.from_numpy(x), float(temperature),
+                                                  _i64(noise_start(key, position))).numpy()
+        if ids.size == 1:  # (the usual case: the pick itself)
+            return int(ids[0])
+        if ids.size:  # (none: x holds a NaN or +inf)
+            support = ids
+    if support is not None:
+        score = x[support].astype(np.float64) / temperature + gumbel_noise_at(key, position, support)
+        return int(support[score.argmax()])
+    g = noise() if noise is not None else gumbel_noise_host(key, position, x.size)
+    return int((x.astype(np.float64) / temperature + g).argmax())
+
+
+def _native_candidates() -> bool:
+    """Whether the compiled kernels are loaded (an engine on them loaded them; nothing here compiles them)."""
+    from ..kernels import loaded
+
+    return loaded() == "native"
 
 
 def gumbel_noise(key: int, position: int, size: int, device="cpu") -> torch.Tensor:

@@ -9,7 +9,7 @@ engine object, and nothing in a result is a request: the scheduler keeps the req
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -82,11 +82,13 @@ class DraftShape:
 
 @dataclass
 class LoneDecode:
-    """Row 0 alone, greedy, no drafts: up to ``steps`` one-token calls in the engine's own loop; ``take(token)`` ->
-    (tokens its output took, whether to go on), the stop rule applied as each token comes."""
+    """Row 0 alone, greedy or coupled sampling with no logits processing, no drafts: up to ``steps`` one-token calls
+    in the engine's own loop; ``take(token)`` -> (tokens its output took, whether to go on), the stop rule applied as
+    each token comes; ``sampler``: a coupled row's, which picks each token (None: the argmax)."""
 
     steps: int
     take: Callable[[int], tuple[int, bool]]
+    sampler: Any = None
 
 
 @dataclass

@@ -18,8 +18,8 @@ scheduler decides and never calls an engine; engine rows are slots (llama.cpp's 
   5. update: the tokens join each request through the one stop rule (stop_rule.RequestOutput); statistics and the
      policy learn from the result (stats.py); finished or cancelled rows retire (the last decoding row moves into
      the hole), their slots saved for the prefix cache in a step of cache moves before their results go out.
-A lone greedy row that drafts nothing decodes in the engine's own loop (engines.base.greedy_steps), each token through
-the same stop rule. Everything a caller can get wrong is checked in the caller's thread before the request is queued.
+A lone row that drafts nothing, greedy or sampling coupled with no logits processing, decodes in the engine's own
+loop (engines.base.greedy_steps), each token through the same stop rule. Everything a caller can get wrong is checked in the caller's thread before the request is queued.
 
 Isolation: what one request's own processing raises inside a step — its grammar (which fails or dead-ends only
 while decoding), logits processing, sampling, its sink — fails that request alone (``_fault``): per-row steps are
@@ -40,6 +40,7 @@ from .drafters import REGISTRY, check_datastore, check_drafter, check_tree, defa
 from .drafters.self_draft import SELF, self_draft
 from .forced import forced_tokens
 from .load_aware import LoadAwareK
+from .picks import on_device
 from .plan import (DecodeResult, DraftShape, LearnOutput, Load, LoneDecode, Move, PromptChunks, PromptResult, Save,
                    StepPlan, StepResult)
 from .prefix_cache import PrefixCache, reusable_slots
@@ -162,7 +163,7 @@ class Scheduler(Submission):
         self._closed = False
         self.statistics = Statistics(self.policy)
         self.failure: Exception | None = None  # the last engine error (a server reports itself unhealthy on it)
-        # a lone greedy row without drafts decodes in the engine's own loop (_plan_alone); False sends every token
+        # a lone plain row without drafts decodes in the engine's own loop (_plan_alone); False sends every token
         # through a step of its own (the same tokens and statistics; tests and benchmarks compare the two)
         self.lone_row_loops = True
         # every check of a request, in the caller's thread (request.py): the server's too
@@ -340,11 +341,11 @@ class Scheduler(Submission):
 
     def _plan_decode(self, plan: StepPlan) -> None:
         """Rows [0, D) decode: each row's drafts at most, the round's k and width (the load-aware policy's), the
-        tokens a grammar forces; or a lone greedy row without drafts in the engine's own loop."""
+        tokens a grammar forces; or a lone plain row without drafts in the engine's own loop."""
         rows = self._rows[: self._decoding]
         room = self._room(rows)
         caps = np.minimum(room, [r.k for r in rows])
-        lone = len(self._rows) == 1 and rows[0].sampler.plain and rows[0].sampler.mode == "greedy"
+        lone = len(self._rows) == 1 and on_device(rows[0].sampler)  # (greedy or coupled, plain)
         self._plain_left = self._plain_left if lone else 0
         if lone and self.lone_row_loops and not caps.any():
             plan.alone = self._plan_alone(rows[0])
@@ -382,15 +383,17 @@ class Scheduler(Submission):
         return np.array([max(0, min(t_cap - 1, r.output.limit - m - 1)) for r, m in zip(rows, outputs)], np.int64)
 
     def _plan_alone(self, r, steps: int | None = None) -> LoneDecode:
-        """A lone greedy row with no drafts: one-token target calls in the engine's own loop, each token through
-        the stop rule as it comes, while the row runs alone; at most ``steps`` (None: to its output's limit)."""
+        """A lone plain row (greedy, or coupled sampling) with no drafts: one-token target calls in the engine's own
+        loop, each token through the stop rule as it comes, while the row runs alone; at most ``steps`` (None: to its
+        output's limit)."""
 
         def take(token):
             taken = self._emit(r, [token])
             return taken, self._keeps_going(r)
 
         left = max(1, r.output.limit - len(r.output.token_ids))  # (the limit keeps it in the cache)
-        return LoneDecode(left if steps is None else min(steps, left), take)
+        return LoneDecode(left if steps is None else min(steps, left), take,
+                          None if r.sampler.mode == "greedy" else r.sampler)
 
     def _keeps_going(self, r) -> bool:
         """A lone row's loop goes on: it runs, it is still alone, and nobody arrived whom a free row could take."""

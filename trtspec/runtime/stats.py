@@ -69,7 +69,7 @@ class Statistics:
             self._learn_round(b, plan, result, emitted, time.perf_counter() - result.started)
 
     def alone(self, r, result: LoneResult) -> None:
-        """A lone greedy row's one-token calls in the engine's own loop: each counts as a round of k = 0."""
+        """A lone row's one-token calls in the engine's own loop: each counts as a round of k = 0."""
         stats, calls = self.counters, result.calls
         self.round_log.extend((stats.rounds + i, 0, 1) for i in range(calls))
         stats.k_histogram[0] = stats.k_histogram.get(0, 0) + calls
@@ -82,7 +82,7 @@ class Statistics:
             per_round = (time.perf_counter() - result.started) / calls
             for _ in range(calls):
                 self.policy.target.record(1, 1, result.seconds / calls)
-                self.policy.record_round(1, 0, 1, per_round)
+                self.policy.record_round(1, 0, 1, per_round, 1, None, r.sampler.mode != "greedy")
 
     def _record_verdict(self, r, verdict: Verdict, width: int) -> None:
         """One row's verdict in its request's and the scheduler's statistics and the policy's acceptance (proposed:

@@ -8,7 +8,7 @@ import functools
 import numpy as np
 import torch
 
-from .picks import gumbel_noise, gumbel_noise_host, host_rows, target_picks
+from .picks import coupled_pick, gumbel_noise, gumbel_noise_host, host_rows, target_picks
 from .sampling import SamplingParams, log_probs, logprob_entry, sample
 
 
@@ -148,10 +148,10 @@ class RowSampler:
             return sample(prm.probs(x), self.rng)
         # Gumbel-max over p's support: argmax(log p + G) = argmax(x / T + G), log p and x / T differing by a
         # constant there (so a masked and an unmasked pick score every allowed token alike)
-        score = x.astype(np.float64) / prm.temperature + self._noise(position, x.size)
+        support = None
         if prm.top_k is not None or (prm.top_p is not None and prm.top_p < 1):
-            score[prm.probs(x) == 0] = -np.inf
-        return int(score.argmax())
+            support = np.flatnonzero(prm.probs(x))
+        return coupled_pick(x, prm.temperature, self.key, position, support, lambda: self._noise(position, x.size))
 
     def _choose(self, logits: np.ndarray, position: int) -> tuple[int, np.ndarray]:
         """The token at ``position`` and the processed logits it came from; with lazy masking those may lack the

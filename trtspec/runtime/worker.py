@@ -12,7 +12,7 @@ one step, in the plan's order (runtime/plan.py):
      over [last token, forced..., drafts...] per row (a tree mask where a row drafted a tree), every row's
      verdict by the one acceptance walk (verify.verify_rows: the logits stay on the engine's device, where the
      target's picks are made, runtime/picks.py), the accepted tree path's K/V moved into place;
-     or a lone greedy row's one-token calls in the engine's own loop (engines.base.greedy_steps).
+     or a lone plain row's one-token calls in the engine's own loop (engines.base.greedy_steps).
 ``tokens`` [B, cap] holds each row's known tokens (``n``: how many; ``tc``: how many the target's cache holds).
 """
 
@@ -265,9 +265,12 @@ class Worker:
         return verdicts
 
     def _decode_alone(self, plan: LoneDecode) -> LoneResult:
-        """Row 0 alone, greedy, no drafts: one-token target calls in the engine's own loop."""
+        """Row 0 alone, no drafts: one-token target calls in the engine's own loop, each token the argmax or the
+        coupled sampler's pick for its position (the call's fed token's + 1)."""
         t0 = time.perf_counter()
         n0 = int(self.n[0])
+        sampler = plan.sampler
+        pick = None if sampler is None else (lambda x, i: sampler.choose(x, n0 + i))
 
         def on_token(token):
             taken, go_on = plan.take(token)
@@ -276,7 +279,7 @@ class Worker:
                 self.n[0] += 1
             return go_on
 
-        calls, seconds = greedy_steps(self.target, 0, int(self.tokens[0, n0 - 1]), n0 - 1, plan.steps, on_token)
+        calls, seconds = greedy_steps(self.target, 0, int(self.tokens[0, n0 - 1]), n0 - 1, plan.steps, on_token, pick)
         self.tc[0] = min(n0 - 1 + calls, int(self.n[0]))  # the cache holds every token fed
         return LoneResult(calls, seconds, t0)
 

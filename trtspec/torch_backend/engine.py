@@ -121,7 +121,8 @@ class TorchEngine(TorchCacheRows):
                 return logits.clone() if self._cudagraph_state is not None else logits
             return logits.float().cpu().numpy()
 
-    def greedy_steps(self, row: int, token: int, position: int, steps: int, on_token) -> tuple[int, float]:
+    def greedy_steps(self, row: int, token: int, position: int, steps: int, on_token, pick=None
+                     ) -> tuple[int, float]:
         """engines.base.greedy_steps with the tokens kept on the device (engines.base.device_greedy_steps): each
         call's argmax feeds the next call there, and the host reads them once per GREEDY_CHUNK calls instead of a
         sync and a logits copy per call. Row 0 of a full-cache engine without features (the draft chain, the
@@ -129,7 +130,7 @@ class TorchEngine(TorchCacheRows):
         import torch
 
         if row or self._rings is not None or self.features_size or steps < 1:
-            return forward_greedy_steps(self, row, token, position, steps, on_token)
+            return forward_greedy_steps(self, row, token, position, steps, on_token, pick)
         check_greedy_steps(self, row, token, position, steps)
         dev = self.device
         positions = torch.arange(position, position + steps, device=dev).view(-1, 1, 1)
@@ -141,7 +142,7 @@ class TorchEngine(TorchCacheRows):
             return self._graphed(tok, positions[i], tree)[0]
 
         with self._guard, torch.no_grad():
-            return device_greedy_steps(call, token, steps, on_token, dev)
+            return device_greedy_steps(call, token, steps, on_token, dev, pick=pick)
 
     # the cache-row operations: engines/base.TorchCacheRows over this engine's caches
     def _cache_buffers(self):

@@ -1,0 +1,108 @@
+"""A sampled token's host work over a 49,152-token vocabulary: coupled sampling's pick and top-p's distribution, the
+runtime's way against the full computation each replaced (the same results, checked here on every row).
+
+    python benchmarks/bench_picks.py [--rows 16] [--calls 200] [--out picks]
+
+Rows of float32 logits drawn N(0, 4^2) (fixed seed), temperature 0.8, top-p 0.9, one thread:
+- coupled pick: picks.coupled_pick with the compiled kernels' candidates, against the full Gumbel-max pick (G for
+  every token in numpy, then the first maximum of x / T + G);
+- top-p: SamplingParams.probs, which sorts only the head of the distribution, against a stable sort of the whole
+  vocabulary (the definition, as the tests' reference writes it).
+Medians of --calls calls per row, the two ways alternating row by row; writes benchmarks/results/<--out>.{json,md}
+with the CPU model and ISA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_oracle import cpu_info  # noqa: E402
+from common import RESULTS  # noqa: E402
+
+V, TEMPERATURE, TOP_P = 49152, 0.8, 0.9
+
+
+def _median_us(f, calls: int) -> float:
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        f()
+        times.append(time.perf_counter() - t0)
+    return 1e6 * statistics.median(times)
+
+
+def _full_pick(x: np.ndarray, key: int, position: int) -> int:
+    from trtspec.runtime.picks import gumbel_noise_host
+
+    return int((x.astype(np.float64) / TEMPERATURE + gumbel_noise_host(key, position, x.size)).argmax())
+
+
+def _full_top_p(params, x: np.ndarray) -> np.ndarray:
+    from trtspec.runtime.sampling import SamplingParams
+
+    p = SamplingParams(temperature=params.temperature).probs(x)
+    order = np.argsort(-p, kind="stable")
+    sorted_p = p[order]
+    drop = np.zeros(p.size, dtype=bool)
+    drop[order] = (np.cumsum(sorted_p) - sorted_p) >= params.top_p
+    p = np.where(drop, 0.0, p)
+    return p / p.sum()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", type=int, default=16)
+    ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--out", default="picks")
+    args = ap.parse_args()
+    import torch
+
+    from trtspec import kernels
+    from trtspec.runtime.picks import coupled_pick
+    from trtspec.runtime.sampling import SamplingParams
+
+    torch.set_num_threads(1)
+    if kernels.load() != "native":
+        sys.exit("the compiled kernels could not be built here: the candidates need them")
+    rng = np.random.default_rng(0)
+    params = SamplingParams(temperature=TEMPERATURE, top_p=TOP_P)
+    times: dict[str, list[float]] = {"pick": [], "full pick": [], "top-p": [], "full top-p": []}
+    for row in range(args.rows):
+        x = (rng.standard_normal(V) * 4).astype(np.float32)
+        key, position = 1000 + row, 17 * row
+        if coupled_pick(x, TEMPERATURE, key, position) != _full_pick(x, key, position):
+            sys.exit(f"row {row}: the picks differ")
+        if not np.array_equal(params.probs(x), _full_top_p(params, x)):
+            sys.exit(f"row {row}: the top-p distributions differ")
+        times["pick"].append(_median_us(lambda: coupled_pick(x, TEMPERATURE, key, position), args.calls))
+        times["full pick"].append(_median_us(lambda: _full_pick(x, key, position), args.calls))
+        times["top-p"].append(_median_us(lambda: params.probs(x), args.calls))
+        times["full top-p"].append(_median_us(lambda: _full_top_p(params, x), max(10, args.calls // 10)))
+    cpu = cpu_info(1)
+    med = {name: statistics.median(t) for name, t in times.items()}
+    result = {"cpu": cpu, "vocab": V, "temperature": TEMPERATURE, "top_p": TOP_P, "rows": args.rows,
+              "calls": args.calls, "median_us": med, "per_row_us": times}
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{args.out}.json").write_text(json.dumps(result, indent=2))
+    text = "\n".join([
+        f"A sampled token's host work, {V}-token rows of N(0, 4^2) float32 logits, T = {TEMPERATURE}, top-p {TOP_P}; "
+        f"medians over {args.rows} rows of each row's median call, the same results checked on every row. CPU: "
+        f"{cpu['cpu']}; ISA: {' '.join(cpu['isa'])}; 1 thread.", "",
+        "| work | the runtime's way (us) | the full computation (us) | ratio |", "|---|---|---|---|",
+        f"| coupled pick | {med['pick']:.1f} | {med['full pick']:.1f} | {med['full pick'] / med['pick']:.1f}x |",
+        f"| top-p distribution | {med['top-p']:.1f} | {med['full top-p']:.1f} | "
+        f"{med['full top-p'] / med['top-p']:.1f}x |", ""])
+    (RESULTS / f"{args.out}.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
