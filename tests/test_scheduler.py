@@ -109,6 +109,10 @@ def test_a_lone_sampled_row_decodes_in_the_engines_loop_with_its_own_picks(targe
             assert getattr(stats[0], name) == getattr(stats[1], name), name
         assert results[0].token_ids != Generator(target).generate(prompt, max_new_tokens=50).token_ids  # (sampled)
     assert [pick is not None for pick in loops_run] == [True, False] * 2  # (each greedy run: the argmax)
+    gen = Generator(target)
+    gen.scheduler._host_logits = False  # (an engine's logits on a GPU: the batch path picks there, only ids cross)
+    loops_run.clear()
+    assert gen.generate(prompt, max_new_tokens=50, **params).token_ids == results[0].token_ids and not loops_run
 
 
 def slow_call(ids, pos, row):

@@ -166,6 +166,10 @@ class Scheduler(Submission):
         # a lone plain row without drafts decodes in the engine's own loop (_plan_alone); False sends every token
         # through a step of its own (the same tokens and statistics; tests and benchmarks compare the two)
         self.lone_row_loops = True
+        # a coupled row's picks read its logits on the host: in the engine's own loop only where they are there
+        # (elsewhere the batch path picks on the device, and only the ids cross)
+        device = getattr(self.target, "device", None)
+        self._host_logits = not getattr(self.target, "tensor_logits", False) or getattr(device, "type", "") == "cpu"
         # every check of a request, in the caller's thread (request.py): the server's too
         self.requests = RequestBuilder(self.tokenizer, vocab_size=self.target.vocab_size, bos_id=self.bos_id,
                                        eos_ids=self.eos_ids, capacity=self.capacity, sampling=sampling,
@@ -345,7 +349,8 @@ class Scheduler(Submission):
         rows = self._rows[: self._decoding]
         room = self._room(rows)
         caps = np.minimum(room, [r.k for r in rows])
-        lone = len(self._rows) == 1 and on_device(rows[0].sampler)  # (greedy or coupled, plain)
+        lone = len(self._rows) == 1 and on_device(rows[0].sampler) and (rows[0].sampler.mode == "greedy"
+                                                                         or self._host_logits)
         self._plain_left = self._plain_left if lone else 0
         if lone and self.lone_row_loops and not caps.any():
             plan.alone = self._plan_alone(rows[0])
