@@ -18,25 +18,15 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_oracle import cpu_info  # noqa: E402
-from common import RESULTS  # noqa: E402
+from common import RESULTS, median_time  # noqa: E402
 
 V, TEMPERATURE, TOP_P = 49152, 0.8, 0.9
-
-
-def _median_us(f, calls: int) -> float:
-    times = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - t0)
-    return 1e6 * statistics.median(times)
 
 
 def _full_pick(x: np.ndarray, key: int, position: int) -> int:
@@ -82,10 +72,10 @@ def main() -> None:
             sys.exit(f"row {row}: the picks differ")
         if not np.array_equal(params.probs(x), _full_top_p(params, x)):
             sys.exit(f"row {row}: the top-p distributions differ")
-        times["pick"].append(_median_us(lambda: coupled_pick(x, TEMPERATURE, key, position), args.calls))
-        times["full pick"].append(_median_us(lambda: _full_pick(x, key, position), args.calls))
-        times["top-p"].append(_median_us(lambda: params.probs(x), args.calls))
-        times["full top-p"].append(_median_us(lambda: _full_top_p(params, x), max(10, args.calls // 10)))
+        times["pick"].append(1e6 * median_time(lambda: coupled_pick(x, TEMPERATURE, key, position), args.calls))
+        times["full pick"].append(1e6 * median_time(lambda: _full_pick(x, key, position), args.calls))
+        times["top-p"].append(1e6 * median_time(lambda: params.probs(x), args.calls))
+        times["full top-p"].append(1e6 * median_time(lambda: _full_top_p(params, x), max(10, args.calls // 10)))
     cpu = cpu_info(1)
     med = {name: statistics.median(t) for name, t in times.items()}
     result = {"cpu": cpu, "vocab": V, "temperature": TEMPERATURE, "top_p": TOP_P, "rows": args.rows,

@@ -19,7 +19,8 @@ scheduler decides and never calls an engine; engine rows are slots (llama.cpp's 
      policy learn from the result (stats.py); finished or cancelled rows retire (the last decoding row moves into
      the hole), their slots saved for the prefix cache in a step of cache moves before their results go out.
 A lone row that drafts nothing, greedy or sampling coupled with no logits processing, decodes in the engine's own
-loop (engines.base.greedy_steps), each token through the same stop rule. Everything a caller can get wrong is checked in the caller's thread before the request is queued.
+loop (engines.base.greedy_steps), each token through the same stop rule. Everything a caller can get wrong is checked
+in the caller's thread before the request is queued.
 
 Isolation: what one request's own processing raises inside a step — its grammar (which fails or dead-ends only
 while decoding), logits processing, sampling, its sink — fails that request alone (``_fault``): per-row steps are
