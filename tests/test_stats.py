@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from trtspec.runtime.load_aware import LoadAwareK
-from trtspec.runtime.plan import DecodeResult, DraftShape, Verdict
+from trtspec.runtime.plan import DecodeResult, DraftShape, LoneResult, Verdict
 from trtspec.runtime.request import RequestStats
 from trtspec.runtime.stats import Statistics
 
@@ -61,8 +61,10 @@ def test_a_lone_rows_calls_count_as_rounds_of_k_0():
     policy = LoadAwareK(4, [1, 2, 3, 4])
     statistics = Statistics(policy)
     row = SimpleNamespace(stats=RequestStats())
-    statistics.alone(row, SimpleNamespace(calls=10, seconds=0.02, started=0.0))
+    statistics.alone(row, LoneResult(calls=10, seconds=0.02, started=0.0))
     counters = statistics.counters
     assert (counters.rounds, counters.target_calls, counters.k_histogram) == (10, 10, {0: 10})
     assert (row.stats.rounds, row.stats.target_calls) == (10, 10)
     assert policy.target.means[(1, 1)][0] == 0.002 and (1, 0, 1, False) in policy.rounds
+    statistics.alone(row, LoneResult(calls=2, seconds=0.004, started=0.0, sampled=True))  # (a coupled row's)
+    assert counters.k_histogram == {0: 12} and (1, 0, 1, True) in policy.rounds

@@ -167,6 +167,12 @@ def host_rows(logits, s: int, n: int) -> np.ndarray:
     return logits[s, :n].float().cpu().numpy()
 
 
+def host_logits(engine) -> bool:
+    """Whether an engine's logits are on the host (an onnxruntime engine's numpy arrays, a torch engine on the CPU):
+    a lone coupled row then picks there in the engine's own loop; elsewhere the batch path picks on the device."""
+    return not getattr(engine, "tensor_logits", False) or getattr(getattr(engine, "device", None), "type", "") == "cpu"
+
+
 def on_device(sampler) -> bool:
     """Whether a request's picks need nothing of the logits but themselves (target_picks makes them)."""
     return sampler.plain and sampler.mode in ("greedy", "coupled")

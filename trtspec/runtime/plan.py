@@ -84,7 +84,7 @@ class DraftShape:
 class LoneDecode:
     """Row 0 alone, greedy or coupled sampling with no logits processing, no drafts: up to ``steps`` one-token calls
     in the engine's own loop; ``take(token)`` -> (tokens its output took, whether to go on), the stop rule applied as
-    each token comes; ``sampler``: a coupled row's, which picks each token (None: the argmax)."""
+    each token comes; ``sampler``: the row's (a coupled one picks each token; greedy takes the argmax)."""
 
     steps: int
     take: Callable[[int], tuple[int, bool]]
@@ -148,6 +148,7 @@ class LoneResult:
     calls: int
     seconds: float  # in the engine
     started: float
+    sampled: bool = False  # (a coupled row's: the policy measures sampled rounds apart)
 
 
 @dataclass

@@ -7,9 +7,8 @@ scheduler decides and never calls an engine; engine rows are slots (llama.cpp's 
      starts with tokens already computed (a finished request's, or a registered prefix) gets those cache slots
      copied in instead of recomputed (prefix_cache.py);
   2. prompts: rows still reading their prompt (after the decoding rows) share ``prefill_chunk`` tokens, first come
-     first served (the first its next part, the others only whole prompts), in one target call. A row that
-     finishes its prompt emits its first token and joins the decoding rows for the next step. So a long prompt
-     never stalls the others;
+     first served (the first its next part, the others only whole prompts), in one target call; a row that finishes
+     its prompt emits its first token and decodes from the next step: a long prompt never stalls the others;
   3. the round's shape: each decoding row may draft up to its own k; load-aware k (load_aware.py) picks this
      round's k and tree width from the measured call costs at the current batch size, 0 when drafting does not
      pay; a grammar's forced tokens go in front of a row's drafts (forced.py);
@@ -18,9 +17,8 @@ scheduler decides and never calls an engine; engine rows are slots (llama.cpp's 
   5. update: the tokens join each request through the one stop rule (stop_rule.RequestOutput); statistics and the
      policy learn from the result (stats.py); finished or cancelled rows retire (the last decoding row moves into
      the hole), their slots saved for the prefix cache in a step of cache moves before their results go out.
-A lone row that drafts nothing, greedy or sampling coupled with no logits processing, decodes in the engine's own
-loop (engines.base.greedy_steps), each token through the same stop rule. Everything a caller can get wrong is checked
-in the caller's thread before the request is queued.
+A lone row that drafts nothing, greedy or coupled with no logits processing, decodes in the engine's own loop
+(engines.base.greedy_steps), each token through the same stop rule. A caller's errors are caught in its own thread.
 
 Isolation: what one request's own processing raises inside a step — its grammar (which fails or dead-ends only
 while decoding), logits processing, sampling, its sink — fails that request alone (``_fault``): per-row steps are
@@ -41,7 +39,7 @@ from .drafters import REGISTRY, check_datastore, check_drafter, check_tree, defa
 from .drafters.self_draft import SELF, self_draft
 from .forced import forced_tokens
 from .load_aware import LoadAwareK
-from .picks import on_device
+from .picks import host_logits, on_device
 from .plan import (DecodeResult, DraftShape, LearnOutput, Load, LoneDecode, Move, PromptChunks, PromptResult, Save,
                    StepPlan, StepResult)
 from .prefix_cache import PrefixCache, reusable_slots
@@ -164,13 +162,9 @@ class Scheduler(Submission):
         self._closed = False
         self.statistics = Statistics(self.policy)
         self.failure: Exception | None = None  # the last engine error (a server reports itself unhealthy on it)
-        # a lone plain row without drafts decodes in the engine's own loop (_plan_alone); False sends every token
-        # through a step of its own (the same tokens and statistics; tests and benchmarks compare the two)
+        # a lone plain row decodes in the engine's own loop (_plan_alone); False: a step a token (same tokens, stats)
         self.lone_row_loops = True
-        # a coupled row's picks read its logits on the host: in the engine's own loop only where they are there
-        # (elsewhere the batch path picks on the device, and only the ids cross)
-        device = getattr(self.target, "device", None)
-        self._host_logits = not getattr(self.target, "tensor_logits", False) or getattr(device, "type", "") == "cpu"
+        self._host_logits = host_logits(self.target)  # (a coupled row's loop picks there; else the batch path does)
         # every check of a request, in the caller's thread (request.py): the server's too
         self.requests = RequestBuilder(self.tokenizer, vocab_size=self.target.vocab_size, bos_id=self.bos_id,
                                        eos_ids=self.eos_ids, capacity=self.capacity, sampling=sampling,
@@ -350,8 +344,7 @@ class Scheduler(Submission):
         rows = self._rows[: self._decoding]
         room = self._room(rows)
         caps = np.minimum(room, [r.k for r in rows])
-        lone = len(self._rows) == 1 and on_device(rows[0].sampler) and (rows[0].sampler.mode == "greedy"
-                                                                         or self._host_logits)
+        lone = len(self._rows) == 1 and on_device(s := rows[0].sampler) and (s.mode == "greedy" or self._host_logits)
         self._plain_left = self._plain_left if lone else 0
         if lone and self.lone_row_loops and not caps.any():
             plan.alone = self._plan_alone(rows[0])
@@ -389,17 +382,15 @@ class Scheduler(Submission):
         return np.array([max(0, min(t_cap - 1, r.output.limit - m - 1)) for r, m in zip(rows, outputs)], np.int64)
 
     def _plan_alone(self, r, steps: int | None = None) -> LoneDecode:
-        """A lone plain row (greedy, or coupled sampling) with no drafts: one-token target calls in the engine's own
-        loop, each token through the stop rule as it comes, while the row runs alone; at most ``steps`` (None: to its
-        output's limit)."""
+        """A lone plain row with no drafts: one-token target calls in the engine's own loop, each token through the
+        stop rule as it comes, while the row runs alone; at most ``steps`` (None: to its output's limit)."""
 
         def take(token):
             taken = self._emit(r, [token])
             return taken, self._keeps_going(r)
 
         left = max(1, r.output.limit - len(r.output.token_ids))  # (the limit keeps it in the cache)
-        return LoneDecode(left if steps is None else min(steps, left), take,
-                          None if r.sampler.mode == "greedy" else r.sampler)
+        return LoneDecode(left if steps is None else min(steps, left), take, r.sampler)
 
     def _keeps_going(self, r) -> bool:
         """A lone row's loop goes on: it runs, it is still alone, and nobody arrived whom a free row could take."""

@@ -82,7 +82,7 @@ class Statistics:
             per_round = (time.perf_counter() - result.started) / calls
             for _ in range(calls):
                 self.policy.target.record(1, 1, result.seconds / calls)
-                self.policy.record_round(1, 0, 1, per_round, 1, None, r.sampler.mode != "greedy")
+                self.policy.record_round(1, 0, 1, per_round, 1, None, result.sampled)
 
     def _record_verdict(self, r, verdict: Verdict, width: int) -> None:
         """One row's verdict in its request's and the scheduler's statistics and the policy's acceptance (proposed:

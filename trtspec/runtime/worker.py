@@ -270,7 +270,7 @@ class Worker:
         t0 = time.perf_counter()
         n0 = int(self.n[0])
         sampler = plan.sampler
-        pick = None if sampler is None else (lambda x, i: sampler.choose(x, n0 + i))
+        pick = None if sampler.mode == "greedy" else (lambda x, i: sampler.choose(x, n0 + i))
 
         def on_token(token):
             taken, go_on = plan.take(token)
@@ -281,7 +281,7 @@ class Worker:
 
         calls, seconds = greedy_steps(self.target, 0, int(self.tokens[0, n0 - 1]), n0 - 1, plan.steps, on_token, pick)
         self.tc[0] = min(n0 - 1 + calls, int(self.n[0]))  # the cache holds every token fed
-        return LoneResult(calls, seconds, t0)
+        return LoneResult(calls, seconds, t0, pick is not None)
 
     def warm_up(self, rows: int, width: int) -> None:
         """Each engine once at ``rows`` x ``width`` tokens (slots no request holds)."""
