@@ -88,7 +88,7 @@ class LoneDecode:
 
     steps: int
     take: Callable[[int], tuple[int, bool]]
-    sampler: Any = None
+    sampler: Any  # (verify.RowSampler)
 
 
 @dataclass
