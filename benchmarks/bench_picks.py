@@ -7,7 +7,9 @@ Rows of float32 logits drawn N(0, 4^2) (fixed seed), temperature 0.8, top-p 0.9,
 - coupled pick: picks.coupled_pick with the compiled kernels' candidates, against the full Gumbel-max pick (G for
   every token in numpy, then the first maximum of x / T + G);
 - top-p: SamplingParams.probs, which sorts only the head of the distribution, against a stable sort of the whole
-  vocabulary (the definition, as the tests' reference writes it).
+  vocabulary (the definition, as the tests' reference writes it);
+- a coupled pick's support (the ids it scores) under top-p 0.9 and under top-k 50: SamplingParams.support against
+  np.flatnonzero(SamplingParams.probs), the way it was found before.
 Medians of --calls calls per row, the two ways alternating row by row; writes benchmarks/results/<--out>.{json,md}
 with the CPU model and ISA.
 """
@@ -26,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_oracle import cpu_info  # noqa: E402
 from common import RESULTS, median_time  # noqa: E402
 
-V, TEMPERATURE, TOP_P = 49152, 0.8, 0.9
+V, TEMPERATURE, TOP_P, TOP_K = 49152, 0.8, 0.9, 50
 
 
 def _full_pick(x: np.ndarray, key: int, position: int) -> int:
@@ -64,7 +66,9 @@ def main() -> None:
         sys.exit("the compiled kernels could not be built here: the candidates need them")
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=TEMPERATURE, top_p=TOP_P)
-    times: dict[str, list[float]] = {"pick": [], "full pick": [], "top-p": [], "full top-p": []}
+    top_k = SamplingParams(temperature=TEMPERATURE, top_k=TOP_K)
+    times: dict[str, list[float]] = {name: [] for name in ("pick", "full pick", "top-p", "full top-p", "top-p support",
+                                                           "top-p nonzero", "top-k support", "top-k nonzero")}
     for row in range(args.rows):
         x = (rng.standard_normal(V) * 4).astype(np.float32)
         key, position = 1000 + row, 17 * row
@@ -76,20 +80,29 @@ def main() -> None:
         times["full pick"].append(1e6 * median_time(lambda: _full_pick(x, key, position), args.calls))
         times["top-p"].append(1e6 * median_time(lambda: params.probs(x), args.calls))
         times["full top-p"].append(1e6 * median_time(lambda: _full_top_p(params, x), max(10, args.calls // 10)))
+        for name, prm in (("top-p", params), ("top-k", top_k)):
+            if not np.array_equal(prm.support(x), np.flatnonzero(prm.probs(x))):
+                sys.exit(f"row {row}: the {name} supports differ")
+            times[f"{name} support"].append(1e6 * median_time(lambda: prm.support(x), args.calls))
+            times[f"{name} nonzero"].append(1e6 * median_time(lambda: np.flatnonzero(prm.probs(x)), args.calls))
     cpu = cpu_info(1)
     med = {name: statistics.median(t) for name, t in times.items()}
-    result = {"cpu": cpu, "vocab": V, "temperature": TEMPERATURE, "top_p": TOP_P, "rows": args.rows,
+    result = {"cpu": cpu, "vocab": V, "temperature": TEMPERATURE, "top_p": TOP_P, "top_k": TOP_K, "rows": args.rows,
               "calls": args.calls, "median_us": med, "per_row_us": times}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{args.out}.json").write_text(json.dumps(result, indent=2))
     text = "\n".join([
-        f"A sampled token's host work, {V}-token rows of N(0, 4^2) float32 logits, T = {TEMPERATURE}, top-p {TOP_P}; "
+        f"A sampled token's host work, {V}-token rows of N(0, 4^2) float32 logits, T = {TEMPERATURE}, top-p {TOP_P}, "
+        f"top-k {TOP_K}; "
         f"medians over {args.rows} rows of each row's median call, the same results checked on every row. CPU: "
         f"{cpu['cpu']}; ISA: {' '.join(cpu['isa'])}; 1 thread.", "",
         "| work | the runtime's way (us) | the full computation (us) | ratio |", "|---|---|---|---|",
         f"| coupled pick | {med['pick']:.1f} | {med['full pick']:.1f} | {med['full pick'] / med['pick']:.1f}x |",
         f"| top-p distribution | {med['top-p']:.1f} | {med['full top-p']:.1f} | "
-        f"{med['full top-p'] / med['top-p']:.1f}x |", ""])
+        f"{med['full top-p'] / med['top-p']:.1f}x |",
+        *(f"| a pick's support, {name} (np.flatnonzero(probs) before) | {med[name + ' support']:.1f} | "
+          f"{med[name + ' nonzero']:.1f} | {med[name + ' nonzero'] / med[name + ' support']:.1f}x |"
+          for name in ("top-p", "top-k")), ""])
     (RESULTS / f"{args.out}.md").write_text(text)
     print(text)
 

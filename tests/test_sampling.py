@@ -65,6 +65,30 @@ def test_top_p_sorts_only_the_head_of_the_distribution_and_keeps_every_bit():
         np.testing.assert_array_equal(params.probs(logits), _nucleus_by_full_sort(plain, top_p))
 
 
+def test_support_is_where_probs_are_nonzero():
+    """support (the ids a coupled pick scores) equals np.flatnonzero(probs) on one row: top-k (its k-th largest from
+    the tokens above a threshold), top-p, both, and neither; ties, -inf, NaN and +inf, float32 and float64 rows,
+    underflow at tiny temperatures, k of 1 to all but one of the vocabulary."""
+    rng = np.random.default_rng(11)
+    for trial in range(400):
+        v = int(rng.choice([1, 2, 7, 64, 1000, 49152]))
+        logits = (rng.standard_normal(v) * rng.choice([1e-3, 0.5, 3.0, 40.0, 300.0]) + rng.choice([0, 1e4]))
+        logits = logits.astype(np.float32 if trial % 4 else np.float64)
+        if trial % 3 == 0:
+            logits = np.round(logits)
+        if trial % 7 == 0:
+            logits[rng.integers(0, v, size=max(1, v // 10))] = -np.inf
+        if trial % 37 == 0:
+            logits[rng.integers(0, v)] = rng.choice([np.nan, np.inf])
+        top_k = int(rng.integers(1, v + 1)) if v > 1 and trial % 2 == 0 else None
+        top_p = float(rng.choice([1e-3, 0.5, 0.9, 0.99999, 1.0])) if trial % 3 else None
+        params = SamplingParams(temperature=float(rng.choice([1e-3, 0.3, 0.8, 1.7, 50.0])), top_k=top_k, top_p=top_p)
+        with np.errstate(invalid="ignore"):
+            want = np.flatnonzero(params.probs(logits))
+            got = params.support(logits)
+        np.testing.assert_array_equal(got, want, err_msg=f"trial {trial}: {params}")
+
+
 @pytest.mark.parametrize("options, message", [
     ({"temperature": -0.1}, "temperature must be a finite number >= 0"),
     ({"temperature": float("nan")}, "temperature must be a finite number >= 0"),

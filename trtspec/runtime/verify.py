@@ -150,7 +150,7 @@ class RowSampler:
         # constant there (so a masked and an unmasked pick score every allowed token alike)
         support = None
         if prm.top_k is not None or (prm.top_p is not None and prm.top_p < 1):
-            support = np.flatnonzero(prm.probs(x))
+            support = prm.support(x)
         return coupled_pick(x, prm.temperature, self.key, position, support, lambda: self._noise(position, x.size))
 
     def _choose(self, logits: np.ndarray, position: int) -> tuple[int, np.ndarray]:
