@@ -4,9 +4,9 @@
         [--configs NAME ...]
 
 Each round runs each source (this tree; --baseline REV checked out into a temporary git worktree) in a fresh process
-on the same engine, 2 threads: Generator over 4 held-out prompts x --new tokens per configuration (greedy and sampled
-at temperature 0.8, with and without top-p 0.9, target alone and with suffix decoding, and the head the engine
-carries; --configs: some of them). Per token: the whole time, the target's
+on the same engine, 2 threads: Generator over 4 held-out prompts x --new tokens per configuration (greedy and
+sampled at temperature 0.8, with and without top-p 0.9 or top-k 50, target alone and with suffix decoding, and the
+head the engine carries; --configs: some of them). Per token: the whole time, the target's
 calls (verify_s), the drafting (draft_s) and the rest ("other": picks, acceptance, the stop rule, streaming, the
 scheduler). Medians over rounds; ratios are this tree's over the baseline's in the same run. Writes
 benchmarks/results/<--out>.{json,md} with the CPU model and ISA.
@@ -34,6 +34,8 @@ CONFIGS = {  # name -> (Generator options, request options)
     "sampled, suffix": ({"drafter": "suffix"}, {"temperature": 0.8, "seed": 1}),
     "sampled top-p 0.9, target alone": ({"drafter": "none"}, {"temperature": 0.8, "top_p": 0.9, "seed": 1}),
     "sampled top-p 0.9, suffix": ({"drafter": "suffix"}, {"temperature": 0.8, "top_p": 0.9, "seed": 1}),
+    "sampled top-k 50, target alone": ({"drafter": "none"}, {"temperature": 0.8, "top_k": 50, "seed": 1}),
+    "sampled top-k 50, suffix": ({"drafter": "suffix"}, {"temperature": 0.8, "top_k": 50, "seed": 1}),
     "greedy, auto (the carried head)": ({"drafter": "auto"}, {}),
 }
 CHILD = r"""
