@@ -89,39 +89,53 @@ class SamplingParams:
         """``np.flatnonzero(self.probs(logits))`` for one row [V]: the ids a token can be drawn from, ascending.
 
         The same float64 steps, without the masked copy, the second normalisation and the search of a float array
-        for its nonzeros. top-k: its k-th largest from the tokens above a threshold (every token at or above the
-        k-th is there: the full partition's value), and the exponentials of the kept tokens only (the others' are
-        0, as exp(-inf) is; numpy's exp of -inf is the slow path). About 2x faster for top-p, 4x for top-k
-        (benchmarks/bench_picks.py)."""
+        for its nonzeros. top-k: its k-th largest from the tokens near the maximum (every token at or above the k-th
+        is there: the full partition's value), then the kept tokens alone (the exponentials of the others are 0, as
+        exp(-inf) is, and numpy's exp of -inf is its slow path). On SmolLM2's logits: 0.13 ms against 0.32 for
+        top-p 0.9, 0.12 against 0.80 for top-k 50 (benchmarks/bench_picks.py has N(0, 4^2) rows)."""
         x = logits.astype(np.float64) / self.temperature
         v = x.size
         top = x.max()
         if not np.isfinite(top):  # a NaN or +inf (or nothing drawable): the definition's own steps
             with np.errstate(invalid="ignore"):
                 return np.flatnonzero(self.probs(logits))
+        kept = None
         if self.top_k is not None and self.top_k < v:
             kept = np.flatnonzero(x >= _kth_largest(x, self.top_k))
-            p = np.zeros(v)
-            p[kept] = np.exp(x[kept] - top)
+            full = np.zeros(v)  # (the sum over the whole row, zeros in place: the definition's bits)
+            full[kept] = q = np.exp(x[kept] - top)
+            q /= full.sum()  # the kept tokens' probabilities
         else:
             x -= top
-            p = np.exp(x, out=x)
-        p /= p.sum()
-        if self.top_p is None or self.top_p >= 1:
-            return np.flatnonzero(p > 0)
-        ids = np.sort(_nucleus(p, self.top_p))
-        return ids[p[ids] > 0]
+            q = np.exp(x, out=x)
+            q /= q.sum()
+        if self.top_p is not None and self.top_p < 1:
+            # (top-k's kept ids ascend, so ties in q keep the ids' order, as in the whole row)
+            ids = np.sort(_nucleus(q, self.top_p))
+            ids = ids[q[ids] > 0]
+        else:
+            ids = np.flatnonzero(q > 0)
+        return ids if kept is None else kept[ids]
 
 
 def _kth_largest(x: np.ndarray, k: int) -> float:
     """``np.partition(x, x.size - k)[x.size - k]`` for x [V] float64 with a finite maximum: partitioned among the
-    tokens within a margin of the maximum once k or more are there (all those at or above the k-th largest are),
-    else over the whole row."""
+    tokens within a margin of the maximum that holds k to 8k of them (all those at or above the k-th largest are
+    there), else over the whole row."""
     top = x.max()
-    for below in (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0):
-        if np.count_nonzero(x >= top - below) >= k:
-            near = x[x >= top - below]
+    lo, hi = 0.0, 1.0  # margins holding fewer than k tokens, and to try
+    while hi <= 64.0:
+        n = np.count_nonzero(x >= top - hi)
+        if n >= k:
+            for _ in range(4):  # narrower, while it holds k
+                if n <= 8 * k:
+                    break
+                mid = (lo + hi) / 2
+                m = np.count_nonzero(x >= top - mid)
+                lo, hi, n = (mid, hi, n) if m < k else (lo, mid, m)
+            near = x[x >= top - hi]
             return np.partition(near, near.size - k)[near.size - k]
+        lo, hi = hi, 2 * hi
     return np.partition(x, x.size - k)[x.size - k]
 
 
