@@ -1,9 +1,10 @@
 """A sampled token's host work over a 49,152-token vocabulary: coupled sampling's pick and top-p's distribution, the
 runtime's way against the full computation each replaced (the same results, checked here on every row).
 
-    python benchmarks/bench_picks.py [--rows 16] [--calls 200] [--out picks]
+    python benchmarks/bench_picks.py [--rows 16] [--calls 200] [--engine DIR] [--out picks]
 
-Rows of float32 logits drawn N(0, 4^2) (fixed seed), temperature 0.8, top-p 0.9, one thread:
+Rows of float32 logits drawn N(0, 4^2) (fixed seed), or with --engine a model's own (its prefill of the first
+held-out prompt, the first --rows positions), temperature 0.8, top-p 0.9, one thread:
 - coupled pick: picks.coupled_pick with the compiled kernels' candidates, against the full Gumbel-max pick (G for
   every token in numpy, then the first maximum of x / T + G);
 - top-p: SamplingParams.probs, which sorts only the head of the distribution, against a stable sort of the whole
@@ -49,10 +50,27 @@ def _full_top_p(params, x: np.ndarray) -> np.ndarray:
     return p / p.sum()
 
 
+def _engine_logits(engine_dir: str, rows: int) -> np.ndarray:
+    from common import ROOT
+
+    from trtspec import Generator, load_engine
+    from trtspec.bench import load_prompts
+
+    engine = load_engine(engine_dir, num_threads=1)
+    gen = Generator(engine, drafter="none")
+    prompt = next(p for p in load_prompts(ROOT / "models" / "heldout.json")
+                  if len(gen.tokenizer(p)["input_ids"]) >= rows)
+    ids = gen.tokenizer(prompt)["input_ids"][:rows]
+    gen.close()
+    engine.reset()
+    return engine.forward(np.array([ids]), np.arange(len(ids))[None])[0]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--engine", help="logits from this engine's prefill of a held-out prompt (its vocabulary)")
     ap.add_argument("--out", default="picks")
     args = ap.parse_args()
     import torch
@@ -65,12 +83,13 @@ def main() -> None:
     if kernels.load() != "native":
         sys.exit("the compiled kernels could not be built here: the candidates need them")
     rng = np.random.default_rng(0)
+    real = _engine_logits(args.engine, args.rows) if args.engine else None
     params = SamplingParams(temperature=TEMPERATURE, top_p=TOP_P)
     top_k = SamplingParams(temperature=TEMPERATURE, top_k=TOP_K)
     times: dict[str, list[float]] = {name: [] for name in ("pick", "full pick", "top-p", "full top-p", "top-p support",
                                                            "top-p nonzero", "top-k support", "top-k nonzero")}
     for row in range(args.rows):
-        x = (rng.standard_normal(V) * 4).astype(np.float32)
+        x = (rng.standard_normal(V) * 4).astype(np.float32) if real is None else real[row]
         key, position = 1000 + row, 17 * row
         if coupled_pick(x, TEMPERATURE, key, position) != _full_pick(x, key, position):
             sys.exit(f"row {row}: the picks differ")
@@ -87,13 +106,14 @@ def main() -> None:
             times[f"{name} nonzero"].append(1e6 * median_time(lambda: np.flatnonzero(prm.probs(x)), args.calls))
     cpu = cpu_info(1)
     med = {name: statistics.median(t) for name, t in times.items()}
-    result = {"cpu": cpu, "vocab": V, "temperature": TEMPERATURE, "top_p": TOP_P, "top_k": TOP_K, "rows": args.rows,
-              "calls": args.calls, "median_us": med, "per_row_us": times}
+    result = {"cpu": cpu, "logits": args.engine or "N(0, 4^2)", "vocab": V, "temperature": TEMPERATURE,
+              "top_p": TOP_P, "top_k": TOP_K, "rows": args.rows, "calls": args.calls, "median_us": med,
+              "per_row_us": times}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{args.out}.json").write_text(json.dumps(result, indent=2))
     text = "\n".join([
-        f"A sampled token's host work, {V}-token rows of N(0, 4^2) float32 logits, T = {TEMPERATURE}, top-p {TOP_P}, "
-        f"top-k {TOP_K}; "
+        f"A sampled token's host work, {V}-token rows of {args.engine or 'N(0, 4^2)'} float32 logits, "
+        f"T = {TEMPERATURE}, top-p {TOP_P}, top-k {TOP_K}; "
         f"medians over {args.rows} rows of each row's median call, the same results checked on every row. CPU: "
         f"{cpu['cpu']}; ISA: {' '.join(cpu['isa'])}; 1 thread.", "",
         "| work | the runtime's way (us) | the full computation (us) | ratio |", "|---|---|---|---|",
