@@ -271,9 +271,33 @@ def test_cli_generate_backend_torch_compiles_target_and_draft(model_dir, perturb
     code = cli_main(["generate", "--backend", "torch", "--target", target, "--draft", draft,
                      "--max-new-tokens", str(NEW_TOKENS), "--json", *[arg for p in PROMPTS for arg in ("--prompt", p)]])
     # chains from a draft model: no tree input or features asked for (an export's own would be kept)
-    assert code == 0 and asked == [(target, {"tree": None, "hidden_states": None}), (draft, {})]
+    assert code == 0 and asked == [(target, {"tree": None, "hidden_states": None, "device": "cpu", "dtype": None}),
+                                   (draft, {"device": "cpu", "dtype": None})]
     results = json.loads(capsys.readouterr().out)["results"]
     assert [r["token_ids"] for r in results] == reference
+
+
+def test_cli_generate_backend_torch_on_a_device(model_dir, torch_engine, capsys, monkeypatch):
+    """--device and --dtype reach trtspec.compile for the target; without --backend torch they are refused, and a
+    GPU asked for where torch sees none is refused by name, before anything is compiled."""
+    import trtspec.torch_backend as torch_backend
+
+    target = str(model_dir("llama"))
+    compiled = torch_engine("llama", "eager")
+    asked = []
+    monkeypatch.setattr(torch_backend, "compile", lambda path, **options: asked.append((path, options)) or compiled)
+    code = cli_main(["generate", "--backend", "torch", "--device", "cuda", "--dtype", "bfloat16", "--target", target,
+                     "--max-new-tokens", "2", "--json", "--prompt", PROMPTS[0]])
+    assert code == 0 and asked == [(target, {"tree": None, "hidden_states": None, "device": "cuda",
+                                             "dtype": "bfloat16"})]
+    capsys.readouterr()
+    assert cli_main(["generate", "--device", "cuda", "--target", target, "--prompt", "x"]) == 2
+    assert "go with backend torch (--backend torch)" in capsys.readouterr().err
+    monkeypatch.undo()
+    if torch.cuda.is_available():
+        return
+    assert cli_main(["generate", "--backend", "torch", "--device", "cuda", "--target", target, "--prompt", "x"]) == 2
+    assert "torch sees no CUDA GPU" in capsys.readouterr().err
 
 
 def test_engine_from_an_hf_dir_points_at_its_tokenizer(torch_engine, model_dir, ort_llama):

@@ -235,6 +235,10 @@ def _add_generate(sub):
     p.add_argument("--backend", choices=["auto", "torch"], default="auto",
                    help="auto: run the engines the directories hold; torch: compile model or export directories with "
                         "torch.compile")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="with --backend torch: where the compiled model runs")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
+                   help="with --backend torch: the model's float type (default: an export's own, else float32)")
     printing = p.add_argument_group("printing")  # how the command shows the result; trtspec.generate returns it
     printing.add_argument("--json", action="store_true", help="print results and statistics as JSON")
     printing.add_argument("--no-stream", dest="stream", action="store_false",
