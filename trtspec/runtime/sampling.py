@@ -101,7 +101,7 @@ class SamplingParams:
                 return np.flatnonzero(self.probs(logits))
         kept = None
         if self.top_k is not None and self.top_k < v:
-            kept = np.flatnonzero(x >= _kth_largest(x, self.top_k))
+            kept = np.flatnonzero(x >= _kth_largest(x, self.top_k, top))
             full = np.zeros(v)  # (the sum over the whole row, zeros in place: the definition's bits)
             full[kept] = q = np.exp(x[kept] - top)
             q /= full.sum()  # the kept tokens' probabilities
@@ -118,11 +118,10 @@ class SamplingParams:
         return ids if kept is None else kept[ids]
 
 
-def _kth_largest(x: np.ndarray, k: int) -> float:
-    """``np.partition(x, x.size - k)[x.size - k]`` for x [V] float64 with a finite maximum: partitioned among the
-    tokens within a margin of the maximum that holds k to 8k of them (all those at or above the k-th largest are
+def _kth_largest(x: np.ndarray, k: int, top: float) -> float:
+    """``np.partition(x, x.size - k)[x.size - k]`` for x [V] float64 with a finite maximum ``top``: partitioned among
+    the tokens within a margin of the maximum that holds k to 8k of them (all those at or above the k-th largest are
     there), else over the whole row."""
-    top = x.max()
     lo, hi = 0.0, 1.0  # margins holding fewer than k tokens, and to try
     while hi <= 64.0:
         n = np.count_nonzero(x >= top - hi)
