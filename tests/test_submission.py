@@ -4,7 +4,9 @@ API, and warm-up."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
+import weakref
 
 import pytest
 
@@ -83,3 +85,36 @@ def test_warm_up_calls_every_engine_at_its_widest_and_leaves_outputs_exact(targe
     assert (4, 32) not in calls
     assert handle.result().token_ids == alone(make_prompt(99, 40), max_new_tokens=150).token_ids
     scheduler.close()
+
+
+def test_exit_joins_a_loop_thread_that_is_still_ending(target, alone, monkeypatch):
+    """A program may end right after a generate(), its Generator never closed. The loop thread (a daemon) may then
+    still be freeing its step's tensors while the interpreter finalizes, and was stopped inside torch's C++ code,
+    which aborted the process (6 of 24 runs of a four-generate script: benchmarks/exit_check.py). The exit hook
+    closes every scheduler that ran and joins its last loop thread, even one that has already given up its work."""
+    from trtspec.runtime import submission
+
+    scheduler = Scheduler(target)
+    ending, release = threading.Event(), threading.Event()
+    loop = scheduler._loop
+
+    def held_loop():  # the loop, then its thread's last moments held: its work given up, its frame not yet freed
+        loop()
+        ending.set()
+        release.wait(30)
+
+    scheduler._loop = held_loop
+    prompt = make_prompt(70, 4)
+    assert scheduler.submit(prompt, max_new_tokens=6).result(timeout=60).token_ids == \
+        alone(prompt, max_new_tokens=6).token_ids
+    assert ending.wait(30) and scheduler._thread is None  # no work left: the scheduler holds no running thread
+    monkeypatch.setattr(submission, "_STARTED", weakref.WeakSet([scheduler]))  # (this module's other schedulers run on)
+    exiting = threading.Thread(target=submission._close_at_exit)
+    exiting.start()
+    exiting.join(0.5)
+    assert exiting.is_alive()  # the exit waits for the ending thread
+    release.set()
+    exiting.join(30)
+    assert not exiting.is_alive() and not scheduler._last_thread.is_alive()
+    with pytest.raises(RuntimeError, match="closed"):
+        scheduler.submit(prompt, max_new_tokens=2)

@@ -8,7 +8,9 @@ validation source); the loop thread (scheduler.py) takes requests from the queue
 from __future__ import annotations
 
 import asyncio
+import atexit
 import threading
+import weakref
 
 import numpy as np
 
@@ -140,6 +142,8 @@ class Submission:
             self._waiting.extend(requests)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="trtspec-scheduler", daemon=True)
+                self._last_thread = self._thread
+                _STARTED.add(self)
                 self._thread.start()
             self._cv.notify()
 
@@ -175,9 +179,11 @@ class Submission:
             self._closed = True
             for r in self._waiting + self._rows:
                 r.cancelled = True
-            thread = self._thread
+            # the last loop thread, even one that has already given up its work: it may still be freeing its step's
+            # tensors, which must not happen during the interpreter's exit (_close_at_exit)
+            thread = self._last_thread
             self._cv.notify()
-        if thread is not None:
+        if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
 
     def stats(self) -> SchedulerStats:
@@ -191,3 +197,18 @@ class Submission:
             s.waiting = len(self._waiting)
             s.prefix_cache_bytes = self.prefix_cache.nbytes if self.prefix_cache else 0
         return s
+
+
+# Every scheduler that started a loop thread. The loop thread is a daemon, so a program may end without closing its
+# Generator; but a daemon thread still freeing tensors when the interpreter finalizes is stopped inside torch's C++
+# code, which aborts the process ("terminate called without an active exception"): about 1 exit in 5 of a script
+# whose last line is a generate(). So at exit each one is closed (its requests cancelled) and its thread joined.
+_STARTED: weakref.WeakSet = weakref.WeakSet()
+
+EXIT_JOIN_S = 30.0  # the longest a step in flight may keep the exit waiting
+
+
+@atexit.register
+def _close_at_exit():
+    for scheduler in list(_STARTED):
+        scheduler.close(timeout=EXIT_JOIN_S)
