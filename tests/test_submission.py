@@ -90,7 +90,7 @@ def test_warm_up_calls_every_engine_at_its_widest_and_leaves_outputs_exact(targe
 def test_exit_joins_a_loop_thread_that_is_still_ending(target, alone, monkeypatch):
     """A program may end right after a generate(), its Generator never closed. The loop thread (a daemon) may then
     still be freeing its step's tensors while the interpreter finalizes, and was stopped inside torch's C++ code,
-    which aborted the process (6 of 24 runs of a four-generate script: benchmarks/exit_check.py). The exit hook
+    which aborted the process (2 of 24 runs of a four-generate script: benchmarks/exit_check.py). The exit hook
     closes every scheduler that ran and joins its last loop thread, even one that has already given up its work."""
     from trtspec.runtime import submission
 
