@@ -50,6 +50,24 @@ def test_more_prompts_than_max_batch_run_in_chunks(exported):
     assert [r.token_ids for r in out] == alone
 
 
+def test_one_prompt_as_token_ids_is_one_request(exported):
+    """generate(ids) with a prompt's token ids (a list of ints, as chat_ids() returns) is that one prompt, as the
+    text is: ints cannot be prompts of a batch, so the two never overlap."""
+    import numpy as np
+
+    gen = Generator(exported("llama"))
+    ids = gen.tokenizer(PROMPTS[1])["input_ids"]
+    text = gen.generate(PROMPTS[1], max_new_tokens=10)
+    for prompt in (ids, tuple(ids), np.array(ids)):
+        result = gen.generate(prompt, max_new_tokens=10)
+        assert result.token_ids == text.token_ids and result.text == text.text
+    batch = gen.generate([ids, PROMPTS[0]], max_new_tokens=10)  # a list of prompts: ids and text
+    assert [r.token_ids for r in batch] == [text.token_ids, gen.generate(PROMPTS[0], max_new_tokens=10).token_ids]
+    assert "".join(gen.stream(ids, max_new_tokens=10)) == text.text
+    with pytest.raises(TypeError, match="a prompt must be a string or a list of token ids, got float"):
+        gen.generate([1.5, 2.5], max_new_tokens=4)
+
+
 def test_prompt_longer_than_capacity_is_refused_before_any_work(exported):
     gen = Generator(exported("llama"))
     with pytest.raises(CapacityError, match=f"prompt has .* tokens but the engine holds {S_MAX} positions"):

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
+
 from .request import BatchStats, GenerationResult, RequestStats
 from .scheduler import DRAFTERS, Scheduler
 
@@ -76,11 +78,12 @@ class Generator:
                  top_p: float | None = None, seed: int | None = None, stop=None, **request_options):
         """Generate for one prompt (-> GenerationResult) or a list (-> GenerationOutput, a list with .stats).
 
-        In a list with a ``seed``, prompt i samples with seed + i (so each reproduces alone with its seed).
+        A prompt is a string or its token ids (a list of ints, e.g. from chat_ids()); a list of prompts holds
+        strings or lists of ids. In a list with a ``seed``, prompt i samples with seed + i (so each reproduces alone with its seed).
         Generation ends at an EOS, at a ``stop`` string (the text ends before it unless
         ``include_stop_str_in_output=True``) or at ``max_new_tokens`` (GenerationResult says where).
         """
-        single = isinstance(prompts, str)
+        single = isinstance(prompts, str) or _token_ids(prompts)
         prompts = [prompts] if single else list(prompts)
         if not prompts:
             raise ValueError("no prompts given")
@@ -106,7 +109,7 @@ class Generator:
     def stream(self, prompt, max_new_tokens: int = 128, **kwargs) -> Stream:
         """Like generate() for one prompt (a string or token ids), yielding text deltas as each block of tokens is
         accepted."""
-        if not isinstance(prompt, str) and not (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
+        if not isinstance(prompt, str) and not _token_ids(prompt):
             raise TypeError("stream() takes one prompt (a string or a list of token ids); use generate() for a batch")
         return Stream(self.scheduler.submit(prompt, max_new_tokens=max_new_tokens, **kwargs))
 
@@ -124,3 +127,12 @@ class Generator:
     def close(self):
         """Stop the scheduler's loop thread (requests still running end as cancelled)."""
         self.scheduler.close()
+
+
+def _token_ids(prompt) -> bool:
+    """Whether ``prompt`` is one prompt's token ids (a non-empty list, tuple or 1-D array of ints), not a list of
+    prompts: no prompt is an int, so the two never overlap."""
+    if isinstance(prompt, np.ndarray):
+        return prompt.ndim == 1 and prompt.size > 0 and np.issubdtype(prompt.dtype, np.integer)
+    return (isinstance(prompt, (list, tuple)) and len(prompt) > 0
+            and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt))
