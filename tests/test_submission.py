@@ -118,3 +118,14 @@ def test_exit_joins_a_loop_thread_that_is_still_ending(target, alone, monkeypatc
     assert not exiting.is_alive() and not scheduler._last_thread.is_alive()
     with pytest.raises(RuntimeError, match="closed"):
         scheduler.submit(prompt, max_new_tokens=2)
+
+
+def test_a_generator_as_a_context_manager_closes_at_the_end(target, alone):
+    from trtspec import Generator
+
+    prompt = make_prompt(71, 5)
+    with Generator(target) as gen:
+        assert gen.generate(prompt, max_new_tokens=6).token_ids == alone(prompt, max_new_tokens=6).token_ids
+    assert not gen.scheduler._last_thread.is_alive()
+    with pytest.raises(RuntimeError, match="this scheduler is closed"):
+        gen.generate(prompt, max_new_tokens=2)

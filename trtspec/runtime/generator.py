@@ -125,8 +125,15 @@ class Generator:
         return self._prompts.chat(list(messages))
 
     def close(self):
-        """Stop the scheduler's loop thread (requests still running end as cancelled)."""
+        """Stop the scheduler's loop thread (requests still running end as cancelled). A program that ends without
+        it is closed at exit; ``with Generator(...) as gen:`` closes at the block's end."""
         self.scheduler.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 def _token_ids(prompt) -> bool:
