@@ -20,11 +20,10 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from bench_oracle import cpu_info
-from common import ROOT
+from common import ROOT, sources
 
 RESULTS = ROOT / "benchmarks" / "results"
 CONFIGS = {  # name -> (Generator options, request options)
@@ -87,24 +86,13 @@ def main() -> None:
         ap.error(f"unknown --configs {sorted(unknown)}; choose from {list(CONFIGS)}")
     configs = {name: CONFIGS[name] for name in args.configs or CONFIGS}
     runs: dict[tuple, list] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        sources = {"this tree": ROOT}
-        if args.baseline:
-            base = Path(tmp) / "baseline"
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(base), args.baseline],
-                           check=True, capture_output=True)
-            sources[f"baseline {args.baseline}"] = base
-        try:
-            for r in range(args.rounds):
-                for label, src in sources.items():
-                    for name, row in _run(src, args.engine, args.new, configs).items():
-                        runs.setdefault((label, name), []).append(row)
-                        print(f"round {r + 1}, {label}, {name}: {row['ms_per_token']:.3f} ms a token "
-                              f"(other {row['other_ms']:.3f})", flush=True)
-        finally:
-            if args.baseline:
-                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)],
-                               capture_output=True)
+    with sources(args.baseline) as checkouts:
+        for r in range(args.rounds):
+            for label, src in checkouts.items():
+                for name, row in _run(src, args.engine, args.new, configs).items():
+                    runs.setdefault((label, name), []).append(row)
+                    print(f"round {r + 1}, {label}, {name}: {row['ms_per_token']:.3f} ms a token "
+                          f"(other {row['other_ms']:.3f})", flush=True)
     rows = []
     for (label, name), outs in runs.items():
         med = {k: statistics.median(o[k] for o in outs) for k in

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import shutil
 import statistics
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -90,3 +93,22 @@ def made_from(artifact: Path, hf_dir: Path) -> Path:
     stamp.parent.mkdir(parents=True, exist_ok=True)
     stamp.write_text(digest)
     return artifact
+
+
+@contextlib.contextmanager
+def sources(baseline: str | None):
+    """{label: checkout} to run in the same rounds: this tree, and ``baseline`` (a git revision) checked out into a
+    temporary git worktree, removed on the way out."""
+    found = {"this tree": ROOT}
+    with tempfile.TemporaryDirectory() as tmp:
+        base = Path(tmp) / "baseline"
+        if baseline:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(base), baseline], check=True,
+                           capture_output=True)
+            found[f"baseline {baseline}"] = base
+        try:
+            yield found
+        finally:
+            if baseline:
+                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)],
+                               capture_output=True)

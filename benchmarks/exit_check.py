@@ -15,11 +15,10 @@ import argparse
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from bench_oracle import cpu_info
-from common import ROOT, save_results
+from common import ROOT, save_results, sources
 
 SCRIPT = r"""
 import sys
@@ -49,28 +48,17 @@ def main() -> None:
     if not (args.engine / "manifest.json").is_file():
         ap.error(f"{args.engine} is not a built engine (make demo builds engines/smollm2-torch-int8x)")
     counts: dict[str, dict] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        sources = {"this tree": ROOT}
-        if args.baseline:
-            base = Path(tmp) / "baseline"
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(base), args.baseline],
-                           check=True, capture_output=True)
-            sources[f"baseline {args.baseline}"] = base
-        try:
-            for i in range(args.runs):
-                for label, src in sources.items():
-                    rc, last = _run(src, args.engine)
-                    entry = counts.setdefault(label, {"runs": 0, "nonzero": 0, "statuses": {}, "messages": {}})
-                    entry["runs"] += 1
-                    if rc:
-                        entry["nonzero"] += 1
-                        entry["statuses"][str(rc)] = entry["statuses"].get(str(rc), 0) + 1
-                        entry["messages"][last] = entry["messages"].get(last, 0) + 1
-                    print(f"run {i + 1}, {label}: status {rc}", flush=True)
-        finally:
-            if args.baseline:
-                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)],
-                               capture_output=True)
+    with sources(args.baseline) as checkouts:
+        for i in range(args.runs):
+            for label, src in checkouts.items():
+                rc, last = _run(src, args.engine)
+                entry = counts.setdefault(label, {"runs": 0, "nonzero": 0, "statuses": {}, "messages": {}})
+                entry["runs"] += 1
+                if rc:
+                    entry["nonzero"] += 1
+                    entry["statuses"][str(rc)] = entry["statuses"].get(str(rc), 0) + 1
+                    entry["messages"][last] = entry["messages"].get(last, 0) + 1
+                print(f"run {i + 1}, {label}: status {rc}", flush=True)
     cpu = cpu_info(2)
     lines = [f"A script's exit right after its last generate() ({args.engine.name}; the Generator never closed), "
              f"fresh processes, sources alternating. CPU: {cpu['cpu']}; ISA: {' '.join(cpu['isa'])}.", "",
