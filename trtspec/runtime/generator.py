@@ -79,7 +79,8 @@ class Generator:
         """Generate for one prompt (-> GenerationResult) or a list (-> GenerationOutput, a list with .stats).
 
         A prompt is a string or its token ids (a list of ints, e.g. from chat_ids()); a list of prompts holds
-        strings or lists of ids. In a list with a ``seed``, prompt i samples with seed + i (so each reproduces alone with its seed).
+        strings or lists of ids. In a list with a ``seed``, prompt i samples with seed + i (so each reproduces alone
+        with its seed).
         Generation ends at an EOS, at a ``stop`` string (the text ends before it unless
         ``include_stop_str_in_output=True``) or at ``max_new_tokens`` (GenerationResult says where).
         """
