@@ -129,3 +129,25 @@ def test_a_generator_as_a_context_manager_closes_at_the_end(target, alone):
     assert not gen.scheduler._last_thread.is_alive()
     with pytest.raises(RuntimeError, match="this scheduler is closed"):
         gen.generate(prompt, max_new_tokens=2)
+
+
+def test_exit_cancels_every_scheduler_before_it_joins_a_thread(target, monkeypatch):
+    """Schedulers on the same engines take turns, so a loop thread may be waiting for the engines that another
+    scheduler's loop holds. Closed one after another at exit, the waiting one was joined first, and that meant
+    running the other's requests to their end (a test run's exit waited its full 30 s for one). Every scheduler's
+    requests are now cancelled before any thread is joined."""
+    from trtspec.runtime import submission
+
+    slow = WrappedEngine(target, lambda *_: time.sleep(0.02))  # 20 ms a call: 200 tokens take seconds
+    holder, waiter = Scheduler(slow), Scheduler(slow)
+    running = holder.submit(make_prompt(72, 4), max_new_tokens=200)
+    deadline = time.time() + 30
+    while holder.stats().running < 1 and time.time() < deadline:  # admitted: its loop holds the engines
+        time.sleep(0.005)
+    queued = waiter.submit(make_prompt(73, 4), max_new_tokens=4)  # its loop waits for the engines
+    monkeypatch.setattr(submission, "_STARTED", [waiter, holder])  # the waiting one first
+    monkeypatch.setattr(submission, "EXIT_JOIN_S", 600.0)
+    submission._close_at_exit()
+    assert running.result(timeout=60).finish_reason == "cancelled"
+    assert len(running.result().token_ids) < 200 and queued.result(timeout=60).finish_reason == "cancelled"
+    assert not holder._last_thread.is_alive() and not waiter._last_thread.is_alive()

@@ -158,8 +158,7 @@ class Scheduler(Submission):
         self._cache_ops: list = []  # the cache moves of the next plan (plan.py)
         self._retired: list[Request] = []  # finished, their results sent once the next step made their cache moves
         self._cv = threading.Condition()
-        self._thread: threading.Thread | None = None  # the loop thread while it has work
-        self._last_thread: threading.Thread | None = None  # the last one started, joined by close() (submission.py)
+        self._thread = self._last_thread = None  # the loop thread while it has work; the last one (close joins it)
         self._closed = False
         self.statistics = Statistics(self.policy)
         self.failure: Exception | None = None  # the last engine error (a server reports itself unhealthy on it)

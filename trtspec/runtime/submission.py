@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -175,16 +176,18 @@ class Submission:
 
     def close(self, timeout: float | None = None):
         """Cancel everything queued or running and stop the loop thread."""
+        _join(self._stop(), timeout)
+
+    def _stop(self) -> threading.Thread | None:
+        """Refuse new requests and cancel the others; the loop thread to join: the last one started, even one that
+        has already given up its work (it may still be freeing its step's tensors, which must not happen during the
+        interpreter's exit: _close_at_exit)."""
         with self._cv:
             self._closed = True
             for r in self._waiting + self._rows:
                 r.cancelled = True
-            # the last loop thread, even one that has already given up its work: it may still be freeing its step's
-            # tensors, which must not happen during the interpreter's exit (_close_at_exit)
-            thread = self._last_thread
             self._cv.notify()
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout)
+            return self._last_thread
 
     def stats(self) -> SchedulerStats:
         with self._cv:
@@ -206,10 +209,20 @@ class Submission:
 # cancelled) and its thread joined.
 _STARTED: weakref.WeakSet = weakref.WeakSet()
 
-EXIT_JOIN_S = 30.0  # the longest a step in flight may keep the exit waiting
+EXIT_JOIN_S = 30.0  # the longest the loop threads' steps in flight may keep the exit waiting
+
+
+def _join(thread: threading.Thread | None, timeout: float | None):
+    if thread is not None and thread is not threading.current_thread():
+        thread.join(timeout)
 
 
 @atexit.register
 def _close_at_exit():
-    for scheduler in list(_STARTED):
-        scheduler.close(timeout=EXIT_JOIN_S)
+    # every scheduler's requests cancelled before any thread is joined: a loop thread may be waiting for engines
+    # that another scheduler's loop holds (schedulers on the same engines take turns), which would otherwise run its
+    # requests to their end first
+    threads = [scheduler._stop() for scheduler in list(_STARTED)]
+    deadline = time.monotonic() + EXIT_JOIN_S
+    for thread in threads:
+        _join(thread, max(0.0, deadline - time.monotonic()))
