@@ -134,8 +134,8 @@ def test_a_generator_as_a_context_manager_closes_at_the_end(target, alone):
 def test_exit_cancels_every_scheduler_before_it_joins_a_thread(target, monkeypatch):
     """Schedulers on the same engines take turns, so a loop thread may be waiting for the engines that another
     scheduler's loop holds. Closed one after another at exit, the waiting one was joined first, and that meant
-    running the other's requests to their end (a test run's exit waited its full 30 s for one). Every scheduler's
-    requests are now cancelled before any thread is joined."""
+    running the other's requests to their end (or the exit's whole 30 s). Every scheduler's requests are now
+    cancelled before any thread is joined."""
     from trtspec.runtime import submission
 
     slow = WrappedEngine(target, lambda *_: time.sleep(0.02))  # 20 ms a call: 200 tokens take seconds
