@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
-
 from .request import BatchStats, GenerationResult, RequestStats
 from .scheduler import DRAFTERS, Scheduler
+from .tokenizer import is_token_ids
 
 __all__ = ["DRAFTERS", "BatchStats", "GenerationOutput", "GenerationResult", "Generator", "RequestStats", "Stream"]
 
@@ -84,7 +83,8 @@ class Generator:
         Generation ends at an EOS, at a ``stop`` string (the text ends before it unless
         ``include_stop_str_in_output=True``) or at ``max_new_tokens`` (GenerationResult says where).
         """
-        single = isinstance(prompts, str) or _token_ids(prompts)
+        # (one prompt's token ids, not a batch: no prompt is an int, so the two never overlap)
+        single = isinstance(prompts, str) or (is_token_ids(prompts) and len(prompts) > 0)
         prompts = [prompts] if single else list(prompts)
         if not prompts:
             raise ValueError("no prompts given")
@@ -110,7 +110,7 @@ class Generator:
     def stream(self, prompt, max_new_tokens: int = 128, **kwargs) -> Stream:
         """Like generate() for one prompt (a string or token ids), yielding text deltas as each block of tokens is
         accepted."""
-        if not isinstance(prompt, str) and not _token_ids(prompt):
+        if not isinstance(prompt, str) and not is_token_ids(prompt):
             raise TypeError("stream() takes one prompt (a string or a list of token ids); use generate() for a batch")
         return Stream(self.scheduler.submit(prompt, max_new_tokens=max_new_tokens, **kwargs))
 
@@ -135,12 +135,3 @@ class Generator:
 
     def __exit__(self, *exc):
         self.close()
-
-
-def _token_ids(prompt) -> bool:
-    """Whether ``prompt`` is one prompt's token ids (a non-empty list, tuple or 1-D array of ints), not a list of
-    prompts: no prompt is an int, so the two never overlap."""
-    if isinstance(prompt, np.ndarray):
-        return prompt.ndim == 1 and prompt.size > 0 and np.issubdtype(prompt.dtype, np.integer)
-    return (isinstance(prompt, (list, tuple)) and len(prompt) > 0
-            and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt))

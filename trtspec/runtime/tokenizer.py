@@ -19,14 +19,21 @@ def load_tokenizer(engine):
     return AutoTokenizer.from_pretrained(Path(engine.path) / engine.manifest["tokenizer"])
 
 
+def is_token_ids(prompt) -> bool:
+    """Whether ``prompt`` is a prompt's token ids: a list or tuple of ints (bools are not), or a 1-D integer array."""
+    if isinstance(prompt, np.ndarray):
+        return prompt.ndim == 1 and (prompt.size == 0 or np.issubdtype(prompt.dtype, np.integer))
+    return isinstance(prompt, (list, tuple)) and all(
+        isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt
+    )
+
+
 def encode_prompt(tokenizer, prompt, *, vocab_size: int, bos_id: int | None, capacity: int) -> np.ndarray:
     """Token ids of a prompt (a string, or a list of token ids), checked against an engine's capacity."""
     # -> ids [P] int64, 1 <= P < capacity
     if isinstance(prompt, str):
         ids = tokenizer(prompt)["input_ids"]
-    elif isinstance(prompt, (list, tuple, np.ndarray)) and all(
-        isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt
-    ):
+    elif is_token_ids(prompt):
         ids = [int(t) for t in prompt]
         if any(not 0 <= t < vocab_size for t in ids):
             raise ValueError(f"prompt token ids must lie in [0, {vocab_size})")
