@@ -431,6 +431,12 @@ def test_silu_mul_equals_hfs_silu_product_within_float32_rounding_the_same_bits_
     assert torch.equal(kernels.silu_mul(x[2:, 5:6]), out[2:, 5:6])
     widths = torch.ops.trtspec.silu_mul_widths(x)
     assert len(widths) >= 2 and all(torch.equal(w, out) for w in widths)
+    # bit for bit beyond the finite values, rows of 13 (a vector loop and its tail): NaN, infinities, -0
+    odd = torch.randn(2, 2 * 13, generator=g) * 50
+    odd[0, :6] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 88.72, -88.73])
+    odd[1, 13:16] = torch.tensor([float("nan"), float("inf"), -0.0])
+    bits = [w.view(torch.int32) for w in torch.ops.trtspec.silu_mul_widths(odd)]
+    assert all(torch.equal(b, bits[-1]) for b in bits) and torch.isnan(bits[-1].view(torch.float32)[0, 0])
     assert torch.equal(kernels.torch_path.silu_mul(x), hf)
     with pytest.raises(RuntimeError, match="even last dimension"):
         kernels.silu_mul(x[..., :-1])

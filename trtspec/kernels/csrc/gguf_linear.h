@@ -176,6 +176,10 @@ inline int64_t attention_scratch_floats(int64_t S, int64_t D) {
 }
 using AttentionKernel = void (*)(const AttentionArgs&, int64_t r0, int64_t r1, float* scratch);
 void attention_reference(const AttentionArgs&, int64_t, int64_t, float*);
+// The vector width in bits the kernel path in use is written for: 512 (the AVX-512 paths), 256 (avx2, avxvnni) or
+// 128 (reference). silu_mul's loop follows it (step_ops.cpp; the other step ops have one loop for every CPU), so a
+// path forced by TRTSPEC_KERNEL_PATH runs the ops as a CPU with only that path would.
+int path_vector_bits();
 void attention_avx2(const AttentionArgs&, int64_t, int64_t, float*);
 void attention_avx512(const AttentionArgs&, int64_t, int64_t, float*);
 

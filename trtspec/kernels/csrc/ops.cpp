@@ -257,6 +257,15 @@ std::string gguf_kernel_path(const std::string& name) {
   return g_path->name;
 }
 
+}  // namespace
+
+int path_vector_bits() {
+  const std::string name = g_path->name;
+  return name.rfind("avx512", 0) == 0 ? 512 : name == "reference" ? 128 : 256;
+}
+
+namespace {
+
 // The paths this CPU runs, fastest first.
 std::vector<std::string> gguf_kernel_paths() {
   std::vector<std::string> out;
