@@ -27,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_gguf_kernels import _cpu, _read_bandwidth  # noqa: E402
 from bench_real import llama_bench_rate  # noqa: E402
+from common import AVX2_FAMILY, AVX2_ONLY_ENV  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).parent / "results"
@@ -111,7 +112,8 @@ def _figure(value: float | None, digits: int) -> str:
 
 
 def _run(src: Path, path: str, engine: Path, reps: int, new_tokens: int, position: int, calls_only: bool) -> dict:
-    env = {**os.environ, "TRTSPEC_KERNEL_PATH": path, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "2"}
+    env = {**os.environ, "TRTSPEC_KERNEL_PATH": path, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "2",
+           **(AVX2_ONLY_ENV if path in AVX2_FAMILY else {})}
     out = {}
     for mode in ("calls", "decode"):
         done = subprocess.run([sys.executable, "-c", CHILD, mode, str(engine.resolve()), str(reps), str(new_tokens),
@@ -190,7 +192,9 @@ def main() -> None:
                     for k in ("tg128", "pp16", "pp512")} for name, outs in llama_runs.items()}
     result = {"cpu": cpu, "read_bandwidth_gbs": bandwidth, "rounds": args.rounds, "reps": args.reps,
               "position": args.position, "calls_only": args.calls_only, "new_tokens": args.new_tokens, "rows": rows,
-              "llama_bench": llama, "llama_bench_binaries": llamas}
+              "llama_bench": llama, "llama_bench_binaries": llamas,
+              "compiled_for": {e.name: json.loads((e / "manifest.json").read_text())["build"].get("cpu_isa")
+                               for e in args.engines}}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{args.out}.json").write_text(json.dumps(result, indent=2))
     also = ("" if args.calls_only else f" and plain decode through the Generator ({len(PROMPTS)} prompts x "
@@ -198,7 +202,8 @@ def main() -> None:
     lines = [f"CPU: {cpu['model']}; ISA: {' '.join(cpu['isa'])}; 2 threads; 2-thread read bandwidth "
              f"{bandwidth:.1f} GB/s (this run). Engine calls at position {args.position} (ms, and x the same run's "
              f"decode call){also}; medians over {args.rounds} alternating rounds, each process on one path "
-             "(TRTSPEC_KERNEL_PATH).", "",
+             "(TRTSPEC_KERNEL_PATH; on avx2 and avxvnni ATen's own kernels on AVX2 too). Packages compiled for: "
+             + ", ".join(f"{name} {isa}" for name, isa in result["compiled_for"].items()) + ".", "",
              "| kernels | path | engine | " + " | ".join(f"T={n}" for n in TOKENS) + " | plain decode tok/s | "
              "512-token prefill tok/s |", "|---|---|---|" + "---|" * len(TOKENS) + "---|---|"]
     for row in rows:

@@ -112,3 +112,16 @@ def sources(baseline: str | None):
             if baseline:
                 subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)],
                                capture_output=True)
+
+
+# What a process needs to run as an AVX2-only CPU would on one with AVX-512 (the kernels' --path avx2 stand-in):
+# ATen's own kernels on AVX2, and a torch engine built meanwhile compiled for x86-64-v3 (AVX2, FMA, F16C), which
+# inductor's code for AVX-512 is not. The engines measured must be built so too (docs/building.md, "An engine for
+# other CPUs"); avx2_built says whether one was.
+AVX2_ONLY_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "TORCHINDUCTOR_CPP_MARCH": "x86-64-v3"}
+AVX2_FAMILY = ("avx2", "avxvnni")
+
+
+def avx2_built(engine: Path) -> bool:
+    """Whether the torch engine in ``engine`` was compiled for AVX2 vectors (its manifest's build.cpu_isa)."""
+    return json.loads((Path(engine) / "manifest.json").read_text())["build"].get("cpu_isa") == "avx2"

@@ -9,7 +9,8 @@ Runs, one after another (each writes its own results file, named from --out):
   3. bench_build.py --rounds 1                          `trtspec build FILE.gguf`, default and int8      (<out>-build)
 then reads the three files and writes <out>.{json,md}: each target, the figure, met or not, with the CPU.
 --check-only reads existing files and runs nothing. The path defaults to this CPU's fastest; on a machine with
-AVX-512, --path avx2 runs the AVX2 code as a stand-in (its caches, clocks and bandwidth are still its own). Two
+AVX-512, --path avx2 runs the AVX2 code as a stand-in (its caches, clocks and bandwidth are still its own): the
+kernels and step ops on AVX2, ATen on AVX2, the engines and the timed builds compiled for AVX2 (common.AVX2_ONLY_ENV). Two
 figures stay outside: onnxruntime-genai's int4 decode (bench_real.py) and `make demo` from a fresh clone.
 About 25 minutes on 2 cores, most of it the kernels' table; run nothing else meanwhile.
 """
@@ -18,11 +19,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from common import AVX2_FAMILY, AVX2_ONLY_ENV, avx2_built  # noqa: E402
+
 ROOT = HERE.parent
 RESULTS = HERE / "results"
 TYPES = {(1536, 576): ("Q4_1", "Q5_0"), (576, 1536): ("Q4_1", "Q5_0", "Q6_K")}  # (n, k): the types measured cold
@@ -121,6 +126,14 @@ def main() -> None:
         missing = [str(e) for e in args.engines if not (e / "manifest.json").is_file()]
         if missing:
             ap.error(f"not built: {missing} (the build commands: docs/kernels.md, 'Quick start')")
+        if path in AVX2_FAMILY and kernels.paths()[0] not in AVX2_FAMILY:
+            # a stand-in on a CPU with AVX-512: everything as an AVX2-only CPU runs it, the build timed included
+            wide = [str(e) for e in args.engines if not avx2_built(e)]
+            if wide:
+                ap.error(f"--path {path} on this AVX-512 CPU measures engines compiled for AVX2; {wide} were not: "
+                         "build them with " + " ".join(f"{k}={v}" for k, v in AVX2_ONLY_ENV.items())
+                         + " (docs/building.md, 'An engine for other CPUs')")
+            os.environ.update(AVX2_ONLY_ENV)
         _run(["benchmarks/bench_gguf_kernels.py", "--ops", "--quick", "--out", f"{args.out}-ops"])
         _run(["benchmarks/bench_cpu_paths.py", "--engines", *map(str, args.engines), "--paths", path,
               "--llama-bench", f"avx2-only={args.llama_bench}", "--out", f"{args.out}-paths"])
