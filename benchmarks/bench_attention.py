@@ -11,16 +11,13 @@ to the portable path's before it is timed.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gguf_kernels import _cpu  # noqa: E402
+from common import RESULTS, median_time, save_results  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def _case(T: int, position: int):
@@ -62,23 +59,30 @@ def main() -> None:
                 out = kernels.attention_rows_tokens(q, k, v, mask, 0.125)
                 if not torch.equal(out, expected):
                     raise SystemExit(f"{path}: attention differs from the portable path at T={T}, position {position}")
-                times = []
-                for _ in range(args.calls):
-                    t0 = time.perf_counter()
-                    kernels.attention_rows_tokens(q, k, v, mask, 0.125)
-                    times.append(time.perf_counter() - t0)
-                us = statistics.median(times) * 1e6
+                us = median_time(lambda: kernels.attention_rows_tokens(q, k, v, mask, 0.125), args.calls) * 1e6
                 rows.append({"path": path, "position": position, "rows": T, "us": us})
                 print(f"{path} position {position} T={T}: {us:.1f} us", flush=True)
-    table = [f"CPU: {cpu['model']}; ISA: {' '.join(cpu['isa'])}; 2 threads; trtspec from "
-             f"{Path(kernels.__file__).resolve().parents[2]}. Median us of {args.calls} calls, 9 heads over 3 key "
-             "heads, D = 64, a 2048-slot cache.", "", "| path | position | T | us |", "|---|---|---|---|"]
+    table = op_table(cpu, args.calls, ", 9 heads over 3 key heads, D = 64, a 2048-slot cache.",
+                     ["| path | position | T | us |", "|---|---|---|---|"])
     table += [f"| {r['path']} | {r['position']} | {r['rows']} | {r['us']:.1f} |" for r in rows]
-    print("\n".join(table))
-    if args.out:
-        RESULTS.mkdir(exist_ok=True)
-        (RESULTS / f"{args.out}.json").write_text(json.dumps({"cpu": cpu, "calls": args.calls, "rows": rows}, indent=2))
-        (RESULTS / f"{args.out}.md").write_text("\n".join(table) + "\n")
+    finish(args.out, {"cpu": cpu, "calls": args.calls, "rows": rows}, table)
+
+
+def op_table(cpu: dict, calls: int, what: str, header: list[str]) -> list[str]:
+    """An op's table: its caption (the CPU, its ISA, the threads, trtspec's checkout, the calls; ``what``), then
+    ``header``."""
+    from trtspec import kernels
+
+    return [f"CPU: {cpu['model']}; ISA: {' '.join(cpu['isa'])}; 2 threads; trtspec from "
+            f"{Path(kernels.__file__).resolve().parents[2]}. Median us of {calls} calls{what}", "", *header]
+
+
+def finish(out: str | None, measured: dict, table: list[str]) -> None:
+    """benchmarks/results/``out``.{json,md}, or (no ``out``) the table printed."""
+    if out:
+        save_results(RESULTS / out, measured, "\n".join(table) + "\n")
+    else:
+        print("\n".join(table))
 
 
 if __name__ == "__main__":

@@ -11,16 +11,14 @@ bit for bit against the portable path's before it is timed.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gguf_kernels import _cpu  # noqa: E402
+from bench_attention import finish, op_table  # noqa: E402
+from common import median_time  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
 HIDDEN, HEADS, KV_HEADS, D, INTERMEDIATE = 576, 9, 3, 64, 1536
 
 
@@ -66,27 +64,16 @@ def main() -> None:
                     raise SystemExit(f"{path}: {name} differs from the portable path at T={T}")
                 for _ in range(args.calls // 10):
                     call()
-                times = []
-                for _ in range(args.calls):
-                    t0 = time.perf_counter()
-                    call()
-                    times.append(time.perf_counter() - t0)
-                us = statistics.median(times) * 1e6
+                us = median_time(call, args.calls) * 1e6
                 rows.append({"op": name, "path": path, "rows": T, "us": us})
                 print(f"{name} {path} T={T}: {us:.1f} us", flush=True)
-    table = [f"CPU: {cpu['model']}; ISA: {' '.join(cpu['isa'])}; 2 threads; trtspec from "
-             f"{Path(kernels.__file__).resolve().parents[2]}. Median us of {args.calls} calls on SmolLM2's shapes "
-             "(rope_qkv's time includes concatenating its three outputs).", "", "| op | T | "
-             + " | ".join(paths) + " |", "|---|---|" + "---|" * len(paths)]
+    table = op_table(cpu, args.calls, " on SmolLM2's shapes (rope_qkv's time includes concatenating its three "
+                     "outputs).", ["| op | T | " + " | ".join(paths) + " |", "|---|---|" + "---|" * len(paths)])
     for T in args.rows:
         for name in ("silu_mul", "rms_norm", "rope_qkv"):
             us = {r["path"]: r["us"] for r in rows if r["op"] == name and r["rows"] == T}
             table.append(f"| {name} | {T} | " + " | ".join(f"{us[p]:.1f}" for p in paths) + " |")
-    print("\n".join(table))
-    if args.out:
-        RESULTS.mkdir(exist_ok=True)
-        (RESULTS / f"{args.out}.json").write_text(json.dumps({"cpu": cpu, "calls": args.calls, "rows": rows}, indent=2))
-        (RESULTS / f"{args.out}.md").write_text("\n".join(table) + "\n")
+    finish(args.out, {"cpu": cpu, "calls": args.calls, "rows": rows}, table)
 
 
 if __name__ == "__main__":
