@@ -115,7 +115,7 @@ def compile_head(head, config, package: Path, *, max_seq_len: int, max_batch: in
     from torch.export import Dim
 
     from ..engines.torch_aot import CACHE_PAD, LIVE_STEP
-    from ..torch_backend.aot import COMPILE_CONFIG, _without_input_checks
+    from ..torch_backend.aot import compiling
 
     from .. import kernels
     from ..engines.torch_aot import require_native_kernels
@@ -134,9 +134,7 @@ def compile_head(head, config, package: Path, *, max_seq_len: int, max_batch: in
             {0: row, 1: tok}, {0: row}, {0: row})
     with torch.no_grad():
         program = torch.export.export(step, args, dynamic_shapes=dims, strict=False)
-        config_patch = dict(COMPILE_CONFIG)
-        config_patch["aot_inductor.custom_ops_to_c_shims"] = kernels.c_shims()
-        with torch._inductor.config.patch(config_patch), _without_input_checks():
+        with compiling(kernels.c_shims()):
             torch._inductor.aoti_compile_and_package(program, package_path=str(package))
     return time.perf_counter() - t0
 

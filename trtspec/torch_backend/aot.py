@@ -15,6 +15,7 @@ import logging
 import shutil
 import threading
 import time
+import warnings
 from pathlib import Path
 from unittest import mock
 
@@ -76,6 +77,20 @@ def _without_input_checks():
         yield
         return
     with mock.patch.object(CppWrapperCpu, "generate_input_output_runtime_checks", empty):
+        yield
+
+
+@contextlib.contextmanager
+def compiling(shims: dict):
+    """What an AOTInductor compile of ours runs under: COMPILE_CONFIG (with ``shims``, kernels.c_shims() or {}), no
+    input checks, and without the FutureWarning torch 2.13 prints about its own code while it copies the exported
+    program (`isinstance(treespec, LeafSpec)` is deprecated: twice in every `make demo`, nothing a user can act on)."""
+    config = dict(COMPILE_CONFIG)
+    if shims:
+        config["aot_inductor.custom_ops_to_c_shims"] = shims
+    with torch._inductor.config.patch(config), _without_input_checks(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                                category=FutureWarning)
         yield
 
 
@@ -243,18 +258,16 @@ def build_torch(path: Path, export_manifest: dict | None, out_dir: Path, *, weig
         program = torch.export.export(AOTStep(step, live).eval(), args, dynamic_shapes=dims, strict=False)
         # what the compile's cost grows with (docs/kernels.md, "What it costs to build")
         build["traced_ops"] = sum(node.op == "call_function" for node in program.graph.nodes)
-        if device == "cpu":  # the vector instructions inductor compiles for: the machine's best
+        if device == "cpu":  # the vector instructions inductor compiles for: the best here, or ATEN_CPU_CAPABILITY's
             meanwhile["isa"].join()
             build["cpu_isa"] = cpu_isa()
         log.info("AOTInductor: compiling the step into %s (about 30 s on 2 cores)", PACKAGE)
-        config = dict(COMPILE_CONFIG)
         shims = kernels.c_shims() if report is not None and device == "cpu" else {}
         if shims:
             # the kernels called as C functions, not through the dispatcher (kernels.c_shims): the package then
             # needs the kernel library loaded before it, as kernel_schema's check at load makes sure
-            config["aot_inductor.custom_ops_to_c_shims"] = shims
             build["kernel_calls"] = "c_shims"
-        with torch._inductor.config.patch(config), _without_input_checks():
+        with compiling(shims):
             torch._inductor.aoti_compile_and_package(program, package_path=str(tmp / PACKAGE))
         build["compile_s"] = round(time.perf_counter() - t, 1)
         if exported:
