@@ -43,7 +43,9 @@ HARNESS = r"""
 #include <vector>
 #include "tiles.h"
 using namespace trtspec_gguf;
-static double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+static double now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
 
 // products a second of int8_any over P panels of K, m rows
 template <typename F>
@@ -57,7 +59,8 @@ double rate(int m, int64_t P, int64_t K, long reps) {
   for (auto& b : data) b = g() & 0xFF;
   const uint16_t one = 0x3C00;  // float16 1.0 for every scale and minimum
   for (int64_t p = 0; p < P * w.groups; ++p)
-    for (int j = 0; j < (F::has_min ? 32 : 16); ++j) std::memcpy(data.data() + p * F::group_bytes + F::codes_bytes + 2 * j, &one, 2);
+    for (int j = 0; j < (F::has_min ? 32 : 16); ++j)
+      std::memcpy(data.data() + p * F::group_bytes + F::codes_bytes + 2 * j, &one, 2);
   w.data = data.data();
   std::vector<int32_t> q(w.groups * m * 8), zs(w.groups * m);
   std::vector<float> fs(w.groups * m, 1.f), sc(w.groups * m, 0.01f), y(m * P * 16);
@@ -74,7 +77,8 @@ int main(int argc, char** argv) {
     long n = 200000000, a = 0;
     const double t = now();
     for (long i = 0; i < n; ++i)
-      asm volatile("add $1, %0\n add $1, %0\n add $1, %0\n add $1, %0\n add $1, %0\n add $1, %0\n add $1, %0\n add $1, %0" : "+r"(a));
+      asm volatile("add $1, %0\n add $1, %0\n add $1, %0\n add $1, %0\n"
+                   "add $1, %0\n add $1, %0\n add $1, %0\n add $1, %0" : "+r"(a));
     std::printf("clock %.4f\n", 8.0 * n / (now() - t));
     return 0;
   }

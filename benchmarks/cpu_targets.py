@@ -10,9 +10,9 @@ Runs, one after another (each writes its own results file, named from --out):
 then reads the three files and writes <out>.{json,md}: each target, the figure, met or not, with the CPU.
 --check-only reads existing files and runs nothing. The path defaults to this CPU's fastest; on a machine with
 AVX-512, --path avx2 runs the AVX2 code as a stand-in (its caches, clocks and bandwidth are still its own): the
-kernels and step ops on AVX2, ATen on AVX2, the engines and the timed builds compiled for AVX2 (common.AVX2_ONLY_ENV). Two
-figures stay outside: onnxruntime-genai's int4 decode (bench_real.py) and `make demo` from a fresh clone.
-About 25 minutes on 2 cores, most of it the kernels' table; run nothing else meanwhile.
+kernels and step ops on AVX2, ATen on AVX2, the engines and the timed builds compiled for AVX2
+(common.AVX2_ONLY_ENV). Two figures stay outside: onnxruntime-genai's int4 decode (bench_real.py) and `make demo`
+from a fresh clone. About 25 minutes on 2 cores, most of it the kernels' table; run nothing else meanwhile.
 """
 
 from __future__ import annotations
