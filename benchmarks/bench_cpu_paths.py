@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_gguf_kernels import _cpu, _read_bandwidth  # noqa: E402
 from bench_real import llama_bench_rate  # noqa: E402
-from common import AVX2_FAMILY, AVX2_ONLY_ENV  # noqa: E402
+from common import AVX2_FAMILY, AVX2_ONLY_ENV, compiled_for  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).parent / "results"
@@ -193,8 +193,7 @@ def main() -> None:
     result = {"cpu": cpu, "read_bandwidth_gbs": bandwidth, "rounds": args.rounds, "reps": args.reps,
               "position": args.position, "calls_only": args.calls_only, "new_tokens": args.new_tokens, "rows": rows,
               "llama_bench": llama, "llama_bench_binaries": llamas,
-              "compiled_for": {e.name: json.loads((e / "manifest.json").read_text())["build"].get("cpu_isa")
-                               for e in args.engines}}
+              "compiled_for": {e.name: compiled_for(e) for e in args.engines}}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{args.out}.json").write_text(json.dumps(result, indent=2))
     also = ("" if args.calls_only else f" and plain decode through the Generator ({len(PROMPTS)} prompts x "

@@ -122,6 +122,11 @@ AVX2_ONLY_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "TORCHINDUCTOR_CPP_MARCH": "x86-
 AVX2_FAMILY = ("avx2", "avxvnni")
 
 
+def compiled_for(engine: Path) -> str | None:
+    """The vector ISA the torch engine in ``engine`` was compiled for (its manifest's build.cpu_isa), if recorded."""
+    return json.loads((Path(engine) / "manifest.json").read_text())["build"].get("cpu_isa")
+
+
 def avx2_built(engine: Path) -> bool:
-    """Whether the torch engine in ``engine`` was compiled for AVX2 vectors (its manifest's build.cpu_isa)."""
-    return json.loads((Path(engine) / "manifest.json").read_text())["build"].get("cpu_isa") == "avx2"
+    """Whether the torch engine in ``engine`` was compiled for AVX2 vectors."""
+    return compiled_for(engine) == "avx2"
